@@ -1,0 +1,28 @@
+"""grpo_accel: GRPO training under Accelerate / DeepSpeed, modelled on torchrl's GRPOTrainer and GRPOLoss.
+
+``import grpo_accel`` is cheap: the public names below are imported on first use.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "GRPOTrainer": "grpo_accel.trainer",
+    "GRPOLoss": "grpo_accel.loss",
+    "ReplayBuffer": "grpo_accel.buffer",
+    "RewardSet": "grpo_accel.rewards",
+    "GRPOCollector": "grpo_accel.rollout.collector",
+    "EmbeddedEngine": "grpo_accel.rollout.local",
+    "TensorBoardLogger": "grpo_accel.tracking",
+    "GRPOConfig": "grpo_accel.config",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'grpo_accel' has no attribute {name!r}")

@@ -1,0 +1,102 @@
+"""The rollout TensorDict: its keys, shapes and padding rules, defined once.
+
+A rollout of ``B`` prompts x ``G`` completions is a TensorDict with batch size ``[N] = [B*G]``; the G
+completions of a prompt are contiguous (rows ``g*G .. g*G+G-1`` share ``group_id``).
+
+| key               | shape   | dtype   | meaning                                                          |
+|-------------------|---------|---------|------------------------------------------------------------------|
+| prompt_ids        | [N, P]  | int64   | prompt tokens, LEFT-padded with the pad id                       |
+| prompt_mask       | [N, P]  | int64   | 1 on real prompt tokens                                          |
+| completion_ids    | [N, C]  | int64   | sampled tokens incl. the EOS that stopped them, RIGHT-padded     |
+| completion_mask   | [N, C]  | int64   | 1 on sampled tokens (EOS included)                               |
+| engine_logprobs   | [N, C]  | float32 | engine's log_softmax(logits / temperature) at the sampled token  |
+| finish_reason     | [N]     | int64   | FINISH_STOP, FINISH_LENGTH or FINISH_ABORT                       |
+| weight_version    | [N]     | int64   | version of the weights that generated the row                    |
+| group_id          | [N]     | int64   | index of the prompt in the collector's stream                    |
+| rewards           | [N]     | float32 | sub-TensorDict: one entry per reward function (unweighted)       |
+| reward            | [N]     | float32 | weighted sum of ``rewards``                                      |
+| advantages        | [N]     | float32 | group-relative advantage                                         |
+| old_logprobs      | [N, C]  | float32 | optional: trainer's logprobs before optimisation (pi_old)        |
+| ref_logprobs      | [N, C]  | float32 | optional: reference policy's logprobs (KL term)                  |
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor
+
+PROMPT_IDS = "prompt_ids"
+PROMPT_MASK = "prompt_mask"
+COMPLETION_IDS = "completion_ids"
+COMPLETION_MASK = "completion_mask"
+ENGINE_LOGPROBS = "engine_logprobs"
+FINISH_REASON = "finish_reason"
+WEIGHT_VERSION = "weight_version"
+GROUP_ID = "group_id"
+REWARDS = "rewards"
+REWARD = "reward"
+ADVANTAGES = "advantages"
+OLD_LOGPROBS = "old_logprobs"
+REF_LOGPROBS = "ref_logprobs"
+
+FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = 0, 1, 2
+FINISH_REASONS = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORT}
+
+LEFT_PADDED = (PROMPT_IDS, PROMPT_MASK)
+RIGHT_PADDED = (COMPLETION_IDS, COMPLETION_MASK, ENGINE_LOGPROBS, OLD_LOGPROBS, REF_LOGPROBS)
+
+
+def pad_sequences(seqs: Sequence[Sequence[int | float]], value, side: str, dtype=torch.long) -> Tensor:
+    """Lists of unequal length -> [len(seqs), max_len], padded with ``value`` on ``side`` ("left"/"right")."""
+    width = max((len(s) for s in seqs), default=0)
+    out = torch.full((len(seqs), width), value, dtype=dtype)
+    for i, s in enumerate(seqs):
+        if len(s):
+            row = torch.as_tensor(list(s), dtype=dtype)
+            if side == "left":
+                out[i, width - len(s) :] = row
+            else:
+                out[i, : len(s)] = row
+    return out
+
+
+def _pad_width(x: Tensor, width: int, side: str, value) -> Tensor:  # [N, w] -> [N, width]
+    extra = width - x.shape[1]
+    if extra == 0:
+        return x
+    pad = torch.full((x.shape[0], extra), value, dtype=x.dtype, device=x.device)
+    return torch.cat([pad, x] if side == "left" else [x, pad], dim=1)
+
+
+def concat_rollouts(tds: Sequence[TensorDict], pad_id: int) -> TensorDict:
+    """Concatenate rollouts whose prompt/completion widths differ, re-padding each key on its own side."""
+    if len(tds) == 1:
+        return tds[0]
+    widened = []
+    for keys, side in ((LEFT_PADDED, "left"), (RIGHT_PADDED, "right")):
+        for key in keys:
+            if key in tds[0].keys():
+                width = max(td[key].shape[1] for td in tds)
+                value = pad_id if key in (PROMPT_IDS, COMPLETION_IDS) else 0
+                widened.append((key, [_pad_width(td[key], width, side, value) for td in tds]))
+    parts = [td.exclude(*(k for k, _ in widened)) for td in tds]
+    out = torch.cat(parts, dim=0)
+    for key, xs in widened:
+        out.set(key, torch.cat(xs, dim=0))
+    return out
+
+
+def trim_padding(td: TensorDict) -> TensorDict:
+    """Drop columns that are padding in every row: prompt columns on the left, completion ones on the right."""
+    p_keep = int(td[PROMPT_MASK].any(0).long().argmax()) if td[PROMPT_MASK].any() else td[PROMPT_MASK].shape[1]
+    c_any = td[COMPLETION_MASK].any(0)
+    c_keep = int(c_any.nonzero().max()) + 1 if c_any.any() else 0
+    out = td.clone(recurse=False)
+    for key in LEFT_PADDED:
+        out.set(key, td[key][:, p_keep:])
+    for key in RIGHT_PADDED:
+        if key in td.keys():
+            out.set(key, td[key][:, :c_keep])
+    return out

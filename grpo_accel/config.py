@@ -1,0 +1,316 @@
+"""Typed run configuration: dataclasses (one per concern), YAML files and ``key=value`` overrides.
+
+Units are in the names: ``prompts_per_step`` counts prompts, ``micro_batch_completions`` counts completions.
+Every error names the key, the value and the fix.
+
+Example:
+    >>> cfg = load_config("launch/configs/default.yaml", ["trainer.total_frames=256", "rollout.group_size=4"])
+    >>> cfg.rollout.completions_per_step
+    64
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or invalid; the message says which and how to fix it."""
+
+
+def _check(ok: bool, key: str, value: Any, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: {fix}")
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str | None = None
+    """Hugging Face model folder (or hub id); None builds the built-in tiny Llama with random weights."""
+    hidden_size: int = 64
+    """Built-in model only: width."""
+    num_layers: int = 2
+    """Built-in model only: transformer blocks."""
+    num_heads: int = 4
+    """Built-in model only: attention heads (must divide hidden_size)."""
+    intermediate_size: int = 128
+    """Built-in model only: MLP width."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype the weights are loaded in (mixed precision is trainer.mixed_precision)."""
+
+    def __post_init__(self) -> None:
+        for key in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
+            _check(getattr(self, key) > 0, f"model.{key}", getattr(self, key), "must be a positive integer.")
+        _check(self.hidden_size % self.num_heads == 0, "model.num_heads", self.num_heads,
+               f"must divide model.hidden_size={self.hidden_size}.")
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None
+    """JSONL or Parquet file of prompt rows; None uses the built-in addition task."""
+    prompt_field: str = "prompt"
+    """Column holding the prompt text; every other column is passed to the reward functions."""
+    max_operand: int = 4
+    """Built-in task only: operands are 0..max_operand."""
+    holdout: int = 0
+    """Built-in task only: number of (a, b) pairs kept out of training for evaluation."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_operand >= 1, "data.max_operand", self.max_operand, "must be >= 1.")
+        _check(0 <= self.holdout < (self.max_operand + 1) ** 2, "data.holdout", self.holdout,
+               f"must leave training rows: use 0..{(self.max_operand + 1) ** 2 - 1}.")
+
+
+@dataclass
+class RolloutConfig:
+    backend: Literal["embedded"] = "embedded"
+    """Inference engine: "embedded" (transformers generate in the trainer process)."""
+    prompts_per_step: int = 16
+    """Prompts per collected batch, over all processes."""
+    group_size: int = 8
+    """Completions sampled per prompt (GRPO's G); at least 2."""
+    max_new_tokens: int = 4
+    """Completion budget in tokens; longer completions finish with reason "length"."""
+    max_prompt_tokens: int = 64
+    """A longer prompt is an error that names its dataset row."""
+    temperature: float = 1.0
+    """Sampling temperature; the loss divides logits by the same value."""
+    top_p: float = 1.0
+    """Nucleus sampling (1.0 = off). Filters bias the importance ratio: engine logprobs are pre-filter."""
+    top_k: int = 0
+    """Top-k sampling (0 = off). Same caveat as top_p."""
+
+    def __post_init__(self) -> None:
+        _check(self.group_size >= 2, "rollout.group_size", self.group_size,
+               "GRPO compares completions within a group, so it needs at least 2 (8-16 is common).")
+        _check(self.prompts_per_step >= 1, "rollout.prompts_per_step", self.prompts_per_step, "must be >= 1.")
+        _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens, "must be >= 1.")
+        _check(self.max_prompt_tokens >= 1, "rollout.max_prompt_tokens", self.max_prompt_tokens, "must be >= 1.")
+        _check(self.temperature > 0, "rollout.temperature", self.temperature, "must be > 0 (GRPO samples).")
+        _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]; 1.0 turns it off.")
+        _check(self.top_k >= 0, "rollout.top_k", self.top_k, "must be >= 0; 0 turns it off.")
+
+    @property
+    def completions_per_step(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+
+@dataclass
+class LossConfig:
+    clip_eps_low: float = 0.2
+    """Lower PPO clip: ratio >= 1 - clip_eps_low."""
+    clip_eps_high: float = 0.28
+    """Upper PPO clip (DAPO's clip-higher): ratio <= 1 + clip_eps_high."""
+    kl_coef: float = 0.0
+    """KL-to-reference weight; 0 builds no reference model and runs no reference forward."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (k3 is the GRPO paper's)."""
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    """token_mean (DAPO), seq_mean_token_mean (GRPO), seq_mean_token_sum_norm (Dr. GRPO, / max_new_tokens)."""
+    importance_level: Literal["token", "sequence"] = "token"
+    """token: per-token ratio (GRPO); sequence: length-normalised sequence ratio (GSPO)."""
+    tis_cap: float | None = None
+    """Truncated importance sampling against the engine's logprobs: weight min(pi_old/pi_engine, cap); None = off."""
+    scale_advantages: bool = True
+    """Divide group-centred rewards by the group's std (off for Dr. GRPO)."""
+    leave_one_out: bool = False
+    """Baseline = mean of the other G-1 rewards (RLOO) instead of the group mean."""
+
+    def __post_init__(self) -> None:
+        _check(self.clip_eps_low > 0, "loss.clip_eps_low", self.clip_eps_low, "must be > 0 (e.g. 0.2).")
+        _check(self.clip_eps_high > 0, "loss.clip_eps_high", self.clip_eps_high, "must be > 0 (e.g. 0.28).")
+        _check(self.kl_coef >= 0, "loss.kl_coef", self.kl_coef, "must be >= 0 (0 turns the KL term off).")
+        _check(self.tis_cap is None or self.tis_cap >= 1, "loss.tis_cap", self.tis_cap, "use null (off) or >= 1.")
+
+
+@dataclass
+class RewardConfig:
+    name: str = "answer_match"
+    """A built-in (answer_match, format_match) or "package.module:function"."""
+    weight: float = 1.0
+    """Weight in the total reward."""
+    kwargs: dict = field(default_factory=dict)
+    """Keyword arguments bound to the function (e.g. {pattern: "\\\\d+"} for format_match)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    clip_norm: float | None = 1.0
+    """Gradient clipping norm; null turns it off."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "optim.lr", self.lr, "must be > 0.")
+        _check(len(self.betas) == 2, "optim.betas", self.betas, "give two values, e.g. [0.9, 0.99].")
+
+
+@dataclass
+class GRPOTrainerConfig:
+    total_frames: int = 128 * 1000
+    """Completions to collect over the run (a frame is one completion)."""
+    num_epochs: int = 1
+    """Passes over each collected batch."""
+    micro_batch_completions: int = 128
+    """Completions per forward/backward on one process (the replay buffer's batch size)."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step."""
+    optim_steps_per_batch: int | None = None
+    """Micro-batches drawn per batch and epoch; null = the whole buffer once per epoch."""
+    empty_replay_buffer_on_weight_update: bool = True
+    """Empty the replay buffer after each weight push (synchronous, on-policy GRPO)."""
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    """Autocast dtype for forward/backward."""
+    seed: int = 0
+    log_interval: int = 1
+    """Frames between logs (1: every collected batch)."""
+    progress_bar: bool = True
+    log_timings: bool = False
+    """Log wall time of each phase under time/."""
+    log_rewards: bool = True
+    log_kl: bool = True
+
+    def __post_init__(self) -> None:
+        for key in ("total_frames", "num_epochs", "micro_batch_completions", "gradient_accumulation_steps", "log_interval"):
+            _check(getattr(self, key) >= 1, f"trainer.{key}", getattr(self, key), "must be >= 1.")
+
+
+@dataclass
+class GRPOConfig:
+    output_dir: str = "runs/default"
+    """Run folder: TensorBoard events (tensorboard/), the resolved config.yaml, summary.json."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    rewards: list[RewardConfig] = field(
+        default_factory=lambda: [RewardConfig("answer_match", 1.0), RewardConfig("format_match", 0.2)]
+    )
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: GRPOTrainerConfig = field(default_factory=GRPOTrainerConfig)
+
+    def __post_init__(self) -> None:
+        _check(bool(self.rewards), "rewards", self.rewards, "list at least one reward function.")
+        names = [r.name for r in self.rewards]
+        _check(len(set(names)) == len(names), "rewards", names, "each reward function may appear once.")
+
+    def check_batch_layout(self, num_processes: int) -> None:
+        """completions per step must split into processes x micro-batches x accumulation."""
+        per_process, rem = divmod(self.rollout.prompts_per_step, num_processes)
+        _check(rem == 0 and per_process > 0, "rollout.prompts_per_step", self.rollout.prompts_per_step,
+               f"must be a positive multiple of the {num_processes} processes.")
+        completions = per_process * self.rollout.group_size
+        t = self.trainer
+        chunk = t.micro_batch_completions * t.gradient_accumulation_steps
+        _check(t.optim_steps_per_batch is not None or completions % chunk == 0,
+               "trainer.micro_batch_completions", t.micro_batch_completions,
+               f"each process collects {completions} completions per step (prompts_per_step / processes x "
+               f"group_size), which must be a multiple of micro_batch_completions x gradient_accumulation_steps "
+               f"= {chunk}.")
+
+    def describe_batch_layout(self, num_processes: int) -> str:
+        t, r = self.trainer, self.rollout
+        per_process = r.prompts_per_step // num_processes * r.group_size
+        micro = t.optim_steps_per_batch or per_process // t.micro_batch_completions
+        return (
+            f"batch layout: {r.prompts_per_step} prompts x {r.group_size} = {r.completions_per_step} completions "
+            f"per step; {per_process} per process in {micro} micro-batches of {t.micro_batch_completions}; "
+            f"{t.gradient_accumulation_steps} micro-batches per optimizer step -> "
+            f"{t.num_epochs * micro // t.gradient_accumulation_steps} optimizer steps per collected batch"
+        )
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> GRPOConfig:
+    """Defaults, then the YAML file at ``path`` (if any), then ``key=value`` overrides (values parsed as YAML)."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist; pass an existing YAML file.")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not key=value; write e.g. trainer.total_frames=256.")
+        _set_dotted(data, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    return _build(GRPOConfig, data, "")
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _set_dotted(data: dict, key: str, value: Any) -> None:
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[parts[-1]] = value
+
+
+def _build(cls, data: Any, prefix: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}={data!r}: must be a mapping of keys to values.")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"{prefix}{key}: unknown key; valid keys under {prefix.rstrip('.') or 'the top level'}: {names}.")
+    try:
+        return cls(**{key: _coerce(value, hints[key], f"{prefix}{key}") for key, value in data.items()})
+    except TypeError as exc:
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {exc}") from exc
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key + ".")
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], key)
+    if origin is Literal:
+        _check(value in args, key, value, f"must be one of {list(args)}.")
+        return value
+    if origin is list:
+        _check(isinstance(value, list), key, value, "must be a list.")
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else value
+    if tp is dict or origin is dict:
+        _check(isinstance(value, dict), key, value, "must be a mapping.")
+        return value
+    if tp is bool:
+        _check(isinstance(value, bool), key, value, "must be true or false.")
+        return value
+    if tp is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), key, value, "must be an integer.")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool), key, value, "must be a number.")
+        return float(value)
+    if tp is str:
+        _check(isinstance(value, str), key, value, "must be a string.")
+        return value
+    return value

@@ -1,0 +1,300 @@
+"""The GRPO objective: pure tensor functions plus a thin :class:`GRPOLoss` module.
+
+Shapes: ``N`` completions in a (micro-)batch, ``T`` completion tokens (right-padded), ``G`` the group size.
+Every per-token tensor is paired with ``mask`` ([N, T], 1 on real completion tokens, 0 on padding).
+
+The module's forward returns a TensorDict in torchrl's convention: keys starting with ``loss_`` are summed
+into the objective by the trainer; every other key is a detached diagnostic.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor, nn
+
+from grpo_accel import batch as K
+from grpo_accel.logprobs import sequence_logprobs
+
+# ----------------------------------------------------------------------------------------------- advantages
+
+
+def group_advantages(
+    rewards: Tensor,  # [N] = [B*G], the G completions of a prompt contiguous
+    group_size: int,
+    scale_by_std: bool = True,
+    leave_one_out: bool = False,
+    eps: float = 1e-4,
+) -> Tensor:  # [N]
+    """Group-relative advantages: each reward minus its group's baseline, optionally over the group's std.
+
+    ``leave_one_out`` uses the mean of the *other* G-1 rewards as baseline (RLOO). A group whose rewards all
+    tie gets advantage 0 in every mode.
+    """
+    r = rewards.view(-1, group_size)  # [B, G]
+    if leave_one_out:
+        baseline = (r.sum(-1, keepdim=True) - r) / (group_size - 1)
+    else:
+        baseline = r.mean(-1, keepdim=True)
+    adv = r - baseline
+    if scale_by_std:
+        adv = adv / (r.std(-1, keepdim=True) + eps)
+    return adv.reshape(-1)
+
+
+# ------------------------------------------------------------------------------------------ importance ratio
+
+
+def token_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:  # all [N, T] -> [N, T]
+    """log(pi / pi_old) per token (PPO / GRPO)."""
+    return logp - old_logp
+
+
+def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:  # all [N, T] -> [N, T]
+    """GSPO: every token carries its sequence's length-normalised log ratio, mean_t log(pi / pi_old).
+
+    Written in GSPO-token form, ``sg[s_i] + logp_t - sg[logp_t]``: the value is the sequence ratio and the
+    gradient flows through each token, which with sequence-mean aggregation is exactly GSPO's gradient.
+    """
+    seq = ((logp - old_logp) * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [N]
+    return seq.detach()[:, None] + logp - logp.detach()
+
+
+IMPORTANCE_LEVELS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
+    "token": token_log_ratio,
+    "sequence": sequence_log_ratio,
+}
+
+
+def clipped_surrogate(
+    log_ratio: Tensor,  # [N, T]
+    advantages: Tensor,  # [N]
+    eps_low: float,
+    eps_high: float,
+) -> tuple[Tensor, Tensor]:  # per-token loss [N, T], clipped-token indicator [N, T] (bool)
+    """PPO's pessimistic surrogate with separate lower/upper clip (DAPO's clip-higher)."""
+    ratio = log_ratio.exp()
+    adv = advantages[:, None]
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
+    is_clipped = ((ratio > 1.0 + eps_high) & (adv > 0)) | ((ratio < 1.0 - eps_low) & (adv < 0))
+    return -torch.minimum(unclipped, clipped), is_clipped
+
+
+def truncated_is_weights(old_logp: Tensor, engine_logp: Tensor, cap: float) -> Tensor:  # [N, T] -> [N, T]
+    """Truncated importance sampling against the inference engine: min(pi_old / pi_engine, cap), detached."""
+    return (old_logp - engine_logp).exp().clamp(max=cap).detach()
+
+
+# ---------------------------------------------------------------------------------------------------- KL
+
+
+def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k1 = log(pi / pi_ref): unbiased, high variance, can be negative."""
+    return logp - ref_logp
+
+
+def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k2 = 0.5 * log(pi / pi_ref)^2: biased, low variance, >= 0."""
+    return 0.5 * (logp - ref_logp) ** 2
+
+
+def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k3 = pi_ref/pi - log(pi_ref/pi) - 1: unbiased, >= 0 (the GRPO paper's estimator)."""
+    d = ref_logp - logp
+    return d.exp() - d - 1.0
+
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+# ------------------------------------------------------------------------------------------- aggregation
+# A mode is (numerator, units): the loss is sum(numerator over every micro-batch and rank of an optimizer
+# step) / sum(units over the same). The trainer sums the units of a whole step, so each micro-batch divides
+# by the step's global count instead of its own (see GRPOTrainer._step_normalizer).
+
+
+def masked_token_sum(token_loss: Tensor, mask: Tensor) -> Tensor:  # [N, T] -> []
+    return (token_loss * mask).sum()
+
+
+def sequence_token_mean_sum(token_loss: Tensor, mask: Tensor) -> Tensor:  # [N, T] -> []
+    return ((token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum()
+
+
+AGGREGATIONS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "token_mean": masked_token_sum,  # DAPO: every token of the step weighs the same
+    "seq_mean_token_mean": sequence_token_mean_sum,  # original GRPO: mean over sequences of token means
+    "seq_mean_token_sum_norm": masked_token_sum,  # Dr. GRPO: token sum over a constant (N * max_tokens)
+}
+
+
+def aggregation_units(mode: str, mask: Tensor, max_completion_tokens: int | None) -> Tensor:  # [N, T] -> []
+    """The denominator that ``mode`` divides by, for this micro-batch alone (float, on ``mask``'s device)."""
+    if mode == "token_mean":
+        return mask.sum().float()
+    if mode == "seq_mean_token_mean":
+        return torch.tensor(float(mask.shape[0]), device=mask.device)
+    if mode == "seq_mean_token_sum_norm":
+        return torch.tensor(float(mask.shape[0] * max_completion_tokens), device=mask.device)
+    raise ValueError(f"loss aggregation {mode!r} is unknown; choose one of {sorted(AGGREGATIONS)}")
+
+
+def distributed_normalizer(global_units: Tensor, num_processes: int, accumulation_steps: int) -> Tensor:
+    """What each micro-batch divides its numerator by so the optimizer step sees sum(all) / global_units.
+
+    ``global_units``: the aggregation units of the whole optimizer step, summed over micro-batches and ranks.
+    Accelerate's ``backward`` divides each micro-batch loss by ``accumulation_steps`` and DDP / DeepSpeed
+    average gradients over ``num_processes``; pre-multiplying by both undoes them exactly once.
+    """
+    return global_units / (num_processes * accumulation_steps)
+
+
+def effective_sample_size(log_w: Tensor, mask: Tensor) -> Tensor:  # [N, T] -> [], in (0, 1]
+    """(sum w)^2 / (n sum w^2) over the real tokens: 1 when every importance weight is equal."""
+    lw = log_w[mask.bool()].float()
+    if lw.numel() == 0:
+        return torch.ones((), device=log_w.device)
+    return (2 * lw.logsumexp(0) - (2 * lw).logsumexp(0)).exp() / lw.numel()
+
+
+# ------------------------------------------------------------------------------------------------ module
+
+
+class GRPOLoss(nn.Module):
+    """GRPO loss over a rollout TensorDict (keys in :mod:`grpo_accel.batch`).
+
+    Args:
+        policy: causal LM being trained (a transformers ``PreTrainedModel`` or anything returning ``.logits``).
+        reference: frozen reference policy for the KL term; required iff ``kl_coef > 0`` (with 0 it is never run).
+        clip_epsilon: PPO clip; a float, or ``(low, high)`` for clip-higher (DAPO uses (0.2, 0.28)).
+        kl_coef: weight of the KL-to-reference term ``loss_kl``.
+        kl_estimator: "k1", "k2" or "k3".
+        aggregation: "token_mean" (DAPO), "seq_mean_token_mean" (GRPO) or "seq_mean_token_sum_norm" (Dr. GRPO).
+        max_completion_tokens: Dr. GRPO's constant normaliser; required by that mode.
+        importance_level: "token" (PPO/GRPO ratio) or "sequence" (GSPO's length-normalised sequence ratio;
+            with aggregation "seq_mean_token_mean" this is exactly GSPO, with "token_mean" GSPO-token weighting).
+        tis_cap: if set, multiply each token's loss by min(pi_old / pi_engine, tis_cap) (truncated IS against
+            the inference engine's logprobs, key ``engine_logprobs``).
+        temperature: the sampling temperature; logits are divided by it, as the engine did.
+
+    Example:
+        >>> loss_fn = GRPOLoss(policy, clip_epsilon=(0.2, 0.28))
+        >>> out = loss_fn(rollout)            # TensorDict
+        >>> total = out["loss_objective"]     # plus out["loss_kl"] when kl_coef > 0
+    """
+
+    def __init__(
+        self,
+        policy: nn.Module,
+        reference: nn.Module | None = None,
+        *,
+        clip_epsilon: float | tuple[float, float] = 0.2,
+        kl_coef: float = 0.0,
+        kl_estimator: str = "k3",
+        aggregation: str = "token_mean",
+        max_completion_tokens: int | None = None,
+        importance_level: str = "token",
+        tis_cap: float | None = None,
+        temperature: float = 1.0,
+    ) -> None:
+        super().__init__()
+        eps_low, eps_high = clip_epsilon if isinstance(clip_epsilon, (tuple, list)) else (clip_epsilon,) * 2
+        _check(eps_low > 0 and eps_high > 0, "clip_epsilon", clip_epsilon, "use positive values such as 0.2")
+        _check(kl_coef >= 0, "kl_coef", kl_coef, "use 0 (no KL term) or a positive weight")
+        _check(kl_coef == 0 or reference is not None, "kl_coef", kl_coef, "pass a reference model, or set kl_coef=0")
+        _check(kl_estimator in KL_ESTIMATORS, "kl_estimator", kl_estimator, f"choose one of {sorted(KL_ESTIMATORS)}")
+        _check(aggregation in AGGREGATIONS, "aggregation", aggregation, f"choose one of {sorted(AGGREGATIONS)}")
+        _check(
+            aggregation != "seq_mean_token_sum_norm" or (max_completion_tokens or 0) > 0,
+            "max_completion_tokens", max_completion_tokens,
+            "Dr. GRPO aggregation divides by a constant: set it to the generation budget (max_new_tokens)",
+        )
+        _check(importance_level in IMPORTANCE_LEVELS, "importance_level", importance_level,
+               f"choose one of {sorted(IMPORTANCE_LEVELS)}")
+        _check(tis_cap is None or tis_cap >= 1.0, "tis_cap", tis_cap, "use None (off) or a cap >= 1, e.g. 2.0")
+        _check(temperature > 0, "temperature", temperature, "use the sampling temperature (> 0)")
+        self.policy = policy
+        # Kept out of the parameter tree's gradients; under ZeRO it is sharded with the policy.
+        self.reference = reference.requires_grad_(False).eval() if reference is not None and kl_coef > 0 else None
+        self.eps_low, self.eps_high = float(eps_low), float(eps_high)
+        self.kl_coef, self.kl_estimator = float(kl_coef), kl_estimator
+        self.aggregation, self.max_completion_tokens = aggregation, max_completion_tokens
+        self.importance_level, self.tis_cap, self.temperature = importance_level, tis_cap, float(temperature)
+
+    # -- pieces the trainer calls outside forward -------------------------------------------------------
+
+    def logprobs(self, model: nn.Module, td: TensorDict, with_entropy: bool = False):
+        """Per-token logprobs [N, T] of ``td``'s completion tokens under ``model`` (and entropy if asked)."""
+        return sequence_logprobs(
+            model, td[K.PROMPT_IDS], td[K.PROMPT_MASK], td[K.COMPLETION_IDS], td[K.COMPLETION_MASK],
+            temperature=self.temperature, with_entropy=with_entropy,
+        )
+
+    @torch.no_grad()
+    def add_old_logprobs(self, td: TensorDict) -> None:
+        """Store pi_old (the current policy, before optimisation) as ``old_logprobs``."""
+        td[K.OLD_LOGPROBS] = self.logprobs(self.policy, td).detach()
+
+    @torch.no_grad()
+    def add_reference_logprobs(self, td: TensorDict) -> None:
+        """Store the reference policy's logprobs as ``ref_logprobs`` (no-op when kl_coef is 0)."""
+        if self.reference is not None:
+            td[K.REF_LOGPROBS] = self.logprobs(self.reference, td).detach()
+
+    def units(self, td: TensorDict) -> Tensor:
+        """How much this micro-batch adds to the aggregation's denominator (see ``aggregation_units``)."""
+        return aggregation_units(self.aggregation, td[K.COMPLETION_MASK], self.max_completion_tokens)
+
+    # -- forward --------------------------------------------------------------------------------------
+
+    def forward(self, td: TensorDict, normalizer: float | Tensor | None = None) -> TensorDict:
+        """Loss of the micro-batch ``td``; ``normalizer`` defaults to this micro-batch's own units."""
+        mask = td[K.COMPLETION_MASK].to(torch.float32)  # [N, T]
+        logp, entropy = self.logprobs(self.policy, td, with_entropy=True)  # [N, T] each
+        old_logp = td.get(K.OLD_LOGPROBS, None)
+        if old_logp is None:  # used once, on-policy: pi_old is the current policy itself
+            old_logp = logp.detach()
+        log_ratio = IMPORTANCE_LEVELS[self.importance_level](logp, old_logp, mask)
+        token_loss, is_clipped = clipped_surrogate(log_ratio, td[K.ADVANTAGES], self.eps_low, self.eps_high)
+        if self.tis_cap is not None:
+            token_loss = token_loss * truncated_is_weights(old_logp, td[K.ENGINE_LOGPROBS], self.tis_cap)
+        if normalizer is None:
+            normalizer = self.units(td)
+        aggregate = AGGREGATIONS[self.aggregation]
+        out = {"loss_objective": aggregate(token_loss, mask) / normalizer}
+        if self.kl_coef > 0:
+            ref_logp = td.get(K.REF_LOGPROBS, None)
+            if ref_logp is None:
+                with torch.no_grad():
+                    ref_logp = self.logprobs(self.reference, td)
+            kl = KL_ESTIMATORS[self.kl_estimator](logp, ref_logp)
+            out["loss_kl"] = self.kl_coef * aggregate(kl, mask) / normalizer
+            out["kl_ref"] = _masked_mean(kl.detach(), mask)
+        out.update(self._diagnostics(log_ratio.detach(), old_logp, logp.detach(), entropy, is_clipped, mask))
+        return TensorDict(out, batch_size=[])
+
+    @staticmethod
+    def _diagnostics(log_ratio, old_logp, logp, entropy, is_clipped, mask) -> dict[str, Tensor]:
+        real = mask.bool()
+        ratio = log_ratio.exp()[real]
+        if ratio.numel() == 0:  # no real token: report a neutral ratio
+            ratio = log_ratio.new_ones(1)
+        return {
+            "clip_fraction": _masked_mean(is_clipped.float(), mask),
+            "kl_approx": _masked_mean(kl_k3(logp, old_logp), mask),  # KL(pi_old || pi), k3 estimate
+            "ESS": effective_sample_size(log_ratio, mask),
+            "entropy": _masked_mean(entropy, mask),
+            "ratio_mean": ratio.mean(),
+            "ratio_min": ratio.min(),
+            "ratio_max": ratio.max(),
+        }
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def _check(ok: bool, name: str, value, fix: str) -> None:
+    if not ok:
+        raise ValueError(f"GRPOLoss: {name}={value!r} is invalid: {fix}.")

@@ -1,0 +1,108 @@
+"""Reward functions: the protocol, a weighted set of them, and two built-ins.
+
+A reward function is any callable ``fn(prompts, completions, **fields) -> list[float]``:
+
+- ``prompts``: list[str], one per completion (a prompt repeated G times for its group);
+- ``completions``: list[str], decoded completion texts (special tokens skipped, as SGLang returns them);
+- ``fields``: ``completion_ids`` (list[list[int]]), ``finish_reason`` (list[str]) and every extra column of
+  the dataset row (e.g. ``answer``), each a list aligned with ``completions``.
+
+It returns one float per completion. Accept ``**fields`` so that new fields never break it.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Callable, Mapping, Sequence
+
+import torch
+from tensordict import TensorDict
+
+RewardFn = Callable[..., Sequence[float]]
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def answer_match(prompts: list[str], completions: list[str], answer: list, **fields) -> list[float]:
+    """1.0 when the last number in the completion equals the row's ``answer`` numerically, else 0.0."""
+    out = []
+    for text, expected in zip(completions, answer):
+        found = _NUMBER.findall(text)
+        out.append(float(bool(found) and float(found[-1]) == float(expected)))
+    return out
+
+
+def format_match(prompts: list[str], completions: list[str], pattern: str = r"-?\d+", **fields) -> list[float]:
+    """1.0 when the whole completion (whitespace-stripped) matches the regex ``pattern`` and it stopped on its
+    own (finish reason "stop", not cut by the length limit), else 0.0."""
+    regex = re.compile(pattern)
+    reasons = fields.get("finish_reason") or ["stop"] * len(completions)
+    return [float(r == "stop" and regex.fullmatch(c.strip()) is not None) for c, r in zip(completions, reasons)]
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {"answer_match": answer_match, "format_match": format_match}
+
+
+class RewardError(RuntimeError):
+    """A reward function failed or returned something unusable; the message names it."""
+
+
+class RewardSet:
+    """Several reward functions with weights; scoring returns each one's rewards and the weighted total.
+
+    Args:
+        fns: name -> reward function.
+        weights: name -> weight (default 1.0 each).
+
+    Example:
+        >>> rs = RewardSet({"answer": answer_match, "format": format_match}, {"format": 0.2})
+        >>> td = rs(prompts, completions, answer=answers, completion_ids=ids)
+        >>> td["reward"], td["rewards", "answer"]
+    """
+
+    def __init__(self, fns: Mapping[str, RewardFn], weights: Mapping[str, float] | None = None) -> None:
+        if not fns:
+            raise ValueError("RewardSet: no reward function given; pass at least one (see grpo_accel.rewards).")
+        weights = dict(weights or {})
+        unknown = set(weights) - set(fns)
+        if unknown:
+            raise ValueError(f"RewardSet: weights name {sorted(unknown)}, which are not reward functions {sorted(fns)}.")
+        self.fns = dict(fns)
+        self.weights = {name: float(weights.get(name, 1.0)) for name in self.fns}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.fns)
+
+    def __call__(self, prompts: list[str], completions: list[str], **fields) -> TensorDict:
+        n = len(completions)
+        per_fn = {name: self._run(name, fn, prompts, completions, fields) for name, fn in self.fns.items()}
+        total = sum(self.weights[name] * r for name, r in per_fn.items())
+        return TensorDict({"rewards": TensorDict(per_fn, batch_size=[n]), "reward": total}, batch_size=[n])
+
+    @staticmethod
+    def _run(name: str, fn: RewardFn, prompts, completions, fields) -> torch.Tensor:  # -> [N] float32
+        try:
+            values = list(fn(prompts, completions, **fields))
+        except Exception as exc:
+            raise RewardError(f"reward function {name!r} raised {type(exc).__name__}: {exc}") from exc
+        if len(values) != len(completions):
+            raise RewardError(
+                f"reward function {name!r} returned {len(values)} values for {len(completions)} completions; "
+                "it must return exactly one float per completion."
+            )
+        for i, v in enumerate(values):
+            if not _is_finite_number(v):
+                raise RewardError(
+                    f"reward function {name!r} returned {v!r} for completion {i} (prompt {prompts[i]!r}, "
+                    f"completion {completions[i]!r}); rewards must be finite floats: fix the function or map "
+                    "failures to a finite value such as 0.0."
+                )
+        return torch.tensor([float(v) for v in values], dtype=torch.float32)
+
+
+def _is_finite_number(v) -> bool:
+    try:
+        return math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False

@@ -1,0 +1,1 @@
+"""Rollout engines (embedded transformers generation; SGLang over HTTP) and the collector that scores them."""

@@ -1,0 +1,155 @@
+"""The collector: prompts from a dataset -> engine rollouts -> rewards -> group-relative advantages."""
+from __future__ import annotations
+
+import random
+from typing import Iterator, Protocol
+
+import torch
+from tensordict import TensorDict
+
+from grpo_accel import batch as K
+from grpo_accel.loss import group_advantages
+from grpo_accel.rewards import RewardSet
+
+RESERVED_FIELDS = ("prompts", "completions", "completion_ids", "finish_reason")
+FINISH_NAMES = {code: name for name, code in K.FINISH_REASONS.items()}
+
+
+class RolloutEngine(Protocol):
+    weight_version: int
+
+    def generate(self, prompt_ids: list[list[int]], group_size: int) -> TensorDict: ...
+
+
+class GRPOCollector:
+    """Iterable of scored rollouts, one per optimisation round (the spec's ``collector``).
+
+    Each item holds ``prompts_per_batch x group_size`` completions (this process's share when ``world_size``
+    > 1: every process walks the same shuffled order and takes its own slice of each global batch). Rows are
+    visited in a new seeded order each pass over the dataset.
+
+    Args:
+        engine: anything with ``generate(prompt_ids, group_size) -> TensorDict`` and ``weight_version``.
+        tokenizer: encodes prompts and decodes completions for the reward functions.
+        rows: dataset rows (dicts); ``prompt_field`` holds the prompt, other fields reach reward functions.
+        rewards: the reward functions and their weights.
+        prompts_per_batch: prompts per collected batch over all processes.
+        group_size: completions per prompt (>= 2).
+        max_prompt_tokens: a longer prompt is an error naming its row.
+        scale_advantages / leave_one_out: see :func:`grpo_accel.loss.group_advantages`.
+
+    Example:
+        >>> collector = GRPOCollector(engine, tok, rows, RewardSet({"answer": answer_match}),
+        ...                           prompts_per_batch=16, group_size=8)
+        >>> rollout = next(iter(collector))     # TensorDict [128] with rewards and advantages
+    """
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        tokenizer,
+        rows: list[dict],
+        rewards: RewardSet,
+        *,
+        prompts_per_batch: int,
+        group_size: int,
+        prompt_field: str = "prompt",
+        max_prompt_tokens: int | None = None,
+        scale_advantages: bool = True,
+        leave_one_out: bool = False,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if group_size < 2:
+            raise ValueError(
+                f"rollout.group_size={group_size}: GRPO compares completions within a group, so a group needs "
+                "at least 2; set rollout.group_size to 2 or more (8-16 is common)."
+            )
+        if prompts_per_batch < world_size or prompts_per_batch % world_size:
+            raise ValueError(
+                f"rollout.prompts_per_step={prompts_per_batch} is not a multiple of the {world_size} processes; "
+                f"use a multiple of {world_size}."
+            )
+        clash = [f for f in RESERVED_FIELDS if rows and f in rows[0]]
+        if clash:
+            raise ValueError(f"dataset fields {clash} clash with reward-function arguments; rename those columns.")
+        self.engine, self.tokenizer, self.rows, self.rewards = engine, tokenizer, rows, rewards
+        self.prompts_per_batch, self.group_size = prompts_per_batch, group_size
+        self.prompt_field, self.max_prompt_tokens = prompt_field, max_prompt_tokens
+        self.scale_advantages, self.leave_one_out = scale_advantages, leave_one_out
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.epoch, self.position, self.batches = 0, 0, 0
+        self._order = self._shuffled(0)
+
+    @property
+    def completions_per_batch(self) -> int:
+        """Completions this process collects per batch."""
+        return self.prompts_per_batch // self.world_size * self.group_size
+
+    @property
+    def reward_names(self) -> list[str]:
+        return self.rewards.names
+
+    def _shuffled(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        random.Random(self.seed + epoch).shuffle(order)
+        return order
+
+    def _next_indices(self) -> list[int]:
+        """The global batch's row indices (same on every process), advancing through seeded epochs."""
+        out = []
+        while len(out) < self.prompts_per_batch:
+            if self.position == len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._shuffled(self.epoch)
+            out.append(self._order[self.position])
+            self.position += 1
+        return out
+
+    def _encode(self, index: int) -> list[int]:
+        ids = self.tokenizer(self.rows[index][self.prompt_field])["input_ids"]
+        if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+            raise ValueError(
+                f"dataset row {index}: prompt is {len(ids)} tokens, more than rollout.max_prompt_tokens="
+                f"{self.max_prompt_tokens}; raise rollout.max_prompt_tokens or drop/shorten that prompt."
+            )
+        return ids
+
+    def collect(self) -> TensorDict:
+        """One scored rollout TensorDict [completions_per_batch] (keys: grpo_accel.batch)."""
+        global_indices = self._next_indices()
+        share = self.prompts_per_batch // self.world_size
+        indices = global_indices[self.rank * share : (self.rank + 1) * share]
+        td = self.engine.generate([self._encode(i) for i in indices], self.group_size)
+        td.update(self._score(td, indices))
+        td[K.ADVANTAGES] = group_advantages(
+            td[K.REWARD], self.group_size, scale_by_std=self.scale_advantages, leave_one_out=self.leave_one_out
+        )
+        first_group = self.batches * self.prompts_per_batch + self.rank * share
+        td[K.GROUP_ID] = torch.arange(first_group, first_group + share).repeat_interleave(self.group_size)
+        self.batches += 1
+        return td
+
+    def _score(self, td: TensorDict, indices: list[int]) -> TensorDict:
+        rows = [self.rows[i] for i in indices for _ in range(self.group_size)]
+        ids = [c[m.bool()].tolist() for c, m in zip(td[K.COMPLETION_IDS], td[K.COMPLETION_MASK])]
+        fields = {k: [row[k] for row in rows] for k in rows[0] if k != self.prompt_field}
+        return self.rewards(
+            [row[self.prompt_field] for row in rows],
+            self.tokenizer.batch_decode(ids, skip_special_tokens=True),
+            completion_ids=ids,
+            finish_reason=[FINISH_NAMES[int(r)] for r in td[K.FINISH_REASON]],
+            **fields,
+        )
+
+    def __iter__(self) -> Iterator[TensorDict]:
+        while True:
+            yield self.collect()
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "batches": self.batches}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position, self.batches = state["epoch"], state["position"], state["batches"]
+        self._order = self._shuffled(self.epoch)

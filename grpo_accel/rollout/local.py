@@ -1,0 +1,104 @@
+"""The embedded rollout engine: batched sampling with transformers' ``generate`` in the trainer process."""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from grpo_accel import batch as K
+from grpo_accel.logprobs import selected_logprobs
+
+
+class EmbeddedEngine:
+    """Samples ``group_size`` completions per prompt with the policy itself (weights are shared, not copied).
+
+    Logprobs are reported as SGLang reports them: ``log_softmax(logits / temperature)`` at the sampled token,
+    taken BEFORE top-k/top-p filtering. With those filters on, the reported distribution is not the one sampled
+    from, which biases the importance ratio; keep ``top_k=0, top_p=1.0`` for unbiased GRPO.
+
+    Args:
+        model: the policy (unwrapped); generation runs in eval mode under ``torch.no_grad``.
+        tokenizer: gives ``pad_token_id`` and ``eos_token_id``.
+        max_new_tokens: completion budget; a completion that reaches it finishes with reason "length".
+        gather: context manager factory entered around generation (gathers ZeRO-3 shards); none by default.
+
+    Example:
+        >>> engine = EmbeddedEngine(model, tokenizer, max_new_tokens=4)
+        >>> rollout = engine.generate([[7, 14, 8, 17]], group_size=8)   # TensorDict [8]
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        gather: Callable[[], ContextManager] | None = None,
+    ) -> None:
+        from transformers import GenerationConfig
+
+        self.model, self.temperature = model, float(temperature)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.eos_id = tokenizer.eos_token_id
+        self.gather = gather or contextlib.nullcontext
+        self.weight_version = 0
+        self.generation_config = GenerationConfig(
+            do_sample=True, temperature=self.temperature, top_p=top_p, top_k=top_k,
+            max_new_tokens=max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+            output_logits=True, return_dict_in_generate=True,
+        )
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], group_size: int) -> TensorDict:
+        """Rollout TensorDict [len(prompt_ids) * group_size] (prompt, completion, engine logprobs, finish)."""
+        repeated = [p for p in prompt_ids for _ in range(group_size)]
+        ids = K.pad_sequences(repeated, self.pad_id, "left")  # [N, P]
+        mask = K.pad_sequences([[1] * len(p) for p in repeated], 0, "left")
+        device = next(self.model.parameters()).device
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with self.gather():
+                out = self.model.generate(
+                    input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=self.generation_config
+                )
+        finally:
+            self.model.train(was_training)
+        completion = out.sequences[:, ids.shape[1] :]  # [N, C]
+        is_eos = completion == self.eos_id
+        after_eos = (is_eos.long().cumsum(1) - is_eos.long()) > 0  # strictly after the first EOS
+        completion_mask = (~after_eos).long()
+        logprobs = torch.stack(  # one step at a time: never a [N, C, V] float32 tensor
+            [selected_logprobs(step[:, None], completion[:, t, None], self.temperature)[:, 0] for t, step in enumerate(out.logits)],
+            dim=1,
+        ) if out.logits else torch.zeros(completion.shape)
+        finish = torch.where(is_eos.any(1), K.FINISH_STOP, K.FINISH_LENGTH)
+        n = len(repeated)
+        return TensorDict(
+            {
+                K.PROMPT_IDS: ids,
+                K.PROMPT_MASK: mask,
+                K.COMPLETION_IDS: completion.where(completion_mask.bool(), self.pad_id).cpu(),
+                K.COMPLETION_MASK: completion_mask.cpu(),
+                K.ENGINE_LOGPROBS: (logprobs * completion_mask).float().cpu(),
+                K.FINISH_REASON: finish.cpu(),
+                K.WEIGHT_VERSION: torch.full((n,), self.weight_version, dtype=torch.long),
+            },
+            batch_size=[n],
+        )
+
+
+class EmbeddedWeightSync:
+    """Weight-sync sender for the embedded engine: weights are shared, so an update only bumps the version."""
+
+    def __init__(self, engine: EmbeddedEngine) -> None:
+        self.engine = engine
+
+    def update_weights(self) -> None:
+        self.engine.weight_version += 1

@@ -1,0 +1,37 @@
+"""Metric loggers with torchrl's ``log_scalar(name, value, step)`` interface."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class TensorBoardLogger:
+    """Writes scalars as TensorBoard event files under ``log_dir`` (``tensorboard --logdir`` shows them).
+
+    Example:
+        >>> logger = TensorBoardLogger("runs/exp1/tensorboard")
+        >>> logger.log_scalar("train/reward_mean", 0.5, step=3)
+    """
+
+    def __init__(self, log_dir: str | Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # lazy: pulls in tensorboard
+
+        self.log_dir = Path(log_dir)
+        self._writer = SummaryWriter(str(self.log_dir))
+
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        self._writer.add_scalar(name, float(value), global_step=step)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def read_scalars(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar tag in the event files under ``log_dir``: tag -> [(step, value), ...] in step order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}

@@ -1,0 +1,30 @@
+"""Run ``accelerate launch`` as a real subprocess: free port, timeout, every rank's output on failure."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(config: str, script_args: list[str], *, timeout: float = 300, expect_ok: bool = True,
+           launcher_args: list[str] = (), env: dict | None = None) -> subprocess.CompletedProcess:
+    """``accelerate launch --config_file accelerate_configs/<config> launch/train.py <script_args>``."""
+    cmd = [*ACCELERATE, "--config_file", str(ROOT / "accelerate_configs" / config),
+           "--main_process_port", str(free_port()), *launcher_args, str(ROOT / "launch" / "train.py"), *script_args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", **(env or {})}
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if expect_ok and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
+                             f"--- stderr (all ranks)\n{proc.stderr[-12000:]}")
+    return proc

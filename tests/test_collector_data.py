@@ -1,0 +1,135 @@
+import json
+
+import pytest
+import torch
+
+from grpo_accel import batch as K
+from grpo_accel.build import build_rewards, build_rows, resolve_reward
+from grpo_accel.config import ConfigError, DataConfig, RewardConfig
+from grpo_accel.data import load_rows, validate_rows
+from grpo_accel.rewards import RewardSet, answer_match, format_match
+from grpo_accel.rollout.collector import GRPOCollector
+from grpo_accel.rollout.local import EmbeddedEngine
+
+ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(3) for b in range(3)]
+
+
+def _collector(tokenizer, model, rows=ROWS, **kw):
+    engine = EmbeddedEngine(model, tokenizer, max_new_tokens=3)
+    rewards = RewardSet({"answer_match": answer_match, "format_match": format_match})
+    args = dict(prompts_per_batch=4, group_size=3, seed=0) | kw
+    return GRPOCollector(engine, tokenizer, rows, rewards, **args)
+
+
+def test_collect_builds_a_scored_grouped_rollout(tokenizer, tiny_model):
+    torch.manual_seed(0)
+    td = _collector(tokenizer, tiny_model).collect()
+    assert td.shape == (12,)
+    assert td[K.GROUP_ID].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    rewards = td[K.REWARD].view(4, 3)
+    adv = td[K.ADVANTAGES].view(4, 3)
+    torch.testing.assert_close(adv.sum(-1), torch.zeros(4), atol=1e-5, rtol=0)  # centred per group
+    ties = rewards.std(-1) == 0
+    assert (adv[ties] == 0).all()
+    assert set(td[K.REWARDS].keys()) == {"answer_match", "format_match"}
+    torch.testing.assert_close(td[K.REWARD], td[K.REWARDS, "answer_match"] + td[K.REWARDS, "format_match"])
+    assert (td[K.WEIGHT_VERSION] == 0).all()
+
+
+def test_dataset_fields_reach_reward_functions(tokenizer, tiny_model):
+    seen = {}
+
+    def spy(prompts, completions, **fields):
+        seen.update(fields, prompts=prompts)
+        return [0.0] * len(completions)
+
+    c = _collector(tokenizer, tiny_model)
+    c.rewards = RewardSet({"spy": spy})
+    c.collect()
+    assert set(seen) == {"prompts", "answer", "completion_ids", "finish_reason"}
+    assert len(seen["answer"]) == 12 and seen["prompts"][0] == seen["prompts"][2]
+    assert [str(eval(p[:-1])) for p in seen["prompts"]] == seen["answer"]
+    assert set(seen["finish_reason"]) <= {"stop", "length"}
+
+
+def test_epochs_visit_every_row_and_state_dict_resumes(tokenizer, tiny_model):
+    c = _collector(tokenizer, tiny_model)
+    first = [c._next_indices() for _ in range(3)]  # 12 indices: the first 9 are one pass
+    assert sorted(sum(first, [])[:9]) == list(range(9)), "one pass visits every row once"
+    state = c.state_dict()
+    upcoming = c._next_indices()
+    other = _collector(tokenizer, tiny_model)
+    other.load_state_dict(state)
+    assert other._next_indices() == upcoming
+
+
+def test_processes_take_disjoint_slices_of_the_same_global_batch(tokenizer, tiny_model):
+    ranks = [_collector(tokenizer, tiny_model, rank=r, world_size=2) for r in range(2)]
+    tds = [c.collect() for c in ranks]
+    assert [td.shape[0] for td in tds] == [6, 6]
+    assert tds[0][K.GROUP_ID].unique().tolist() == [0, 1] and tds[1][K.GROUP_ID].unique().tolist() == [2, 3]
+    with pytest.raises(ValueError, match="multiple of the 3 processes"):
+        _collector(tokenizer, tiny_model, world_size=3)
+
+
+def test_group_size_below_two_is_rejected(tokenizer, tiny_model):
+    with pytest.raises(ValueError, match=r"rollout.group_size=1.*at least 2"):
+        _collector(tokenizer, tiny_model, group_size=1)
+
+
+def test_too_long_prompt_names_its_row(tokenizer, tiny_model):
+    rows = ROWS[:2] + [{"prompt": "1" * 50 + "=", "answer": "1"}]
+    c = _collector(tokenizer, tiny_model, rows=rows, prompts_per_batch=3, max_prompt_tokens=10)
+    with pytest.raises(ValueError, match=r"dataset row 2: prompt is 51 tokens.*max_prompt_tokens=10"):
+        c.collect()
+
+
+def test_reserved_dataset_field_is_rejected(tokenizer, tiny_model):
+    with pytest.raises(ValueError, match="finish_reason"):
+        _collector(tokenizer, tiny_model, rows=[{"prompt": "1=", "finish_reason": "x"}])
+
+
+def test_validate_rows_errors():
+    with pytest.raises(ValueError, match="dataset is empty"):
+        validate_rows([], "prompt", "data.path='x.jsonl'")
+    with pytest.raises(ValueError, match=r"row 1 has no prompt field 'prompt' \(its fields: \['question'\]\)"):
+        validate_rows([{"prompt": "a"}, {"question": "b"}], "prompt", "src")
+    with pytest.raises(ValueError, match="row 0 field 'prompt' is ''"):
+        validate_rows([{"prompt": ""}], "prompt", "src")
+
+
+def test_load_rows_jsonl_and_parquet(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    assert load_rows(path) == ROWS
+    import datasets
+
+    datasets.Dataset.from_list(ROWS).to_parquet(str(tmp_path / "d.parquet"))
+    assert load_rows(tmp_path / "d.parquet") == ROWS
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\nnot json\n')
+    with pytest.raises(ValueError, match="line 2 is not JSON"):
+        load_rows(bad)
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_rows(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="unknown file type '.csv'"):
+        (tmp_path / "d.csv").write_text("x")
+        load_rows(tmp_path / "d.csv")
+
+
+def test_build_rows_and_rewards_from_config(tmp_path):
+    train, held = build_rows(DataConfig(max_operand=3, holdout=4))
+    assert len(train) == 12 and len(held) == 4
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
+    with pytest.raises(ValueError, match="set data.prompt_field"):
+        build_rows(DataConfig(path=str(path)))
+    assert build_rows(DataConfig(path=str(path), prompt_field="question"))[0][0]["answer"] == "2"
+    rs = build_rewards([RewardConfig("format_match", 0.5, {"pattern": "[0-9]"}), RewardConfig("grpo_accel.rewards:answer_match")])
+    td = rs(["p"], ["12"], answer=["12"], finish_reason=["stop"])
+    assert td["reward"].tolist() == [1.0]  # format fails one-digit pattern (0), answer matches (1)
+    with pytest.raises(ConfigError, match="not a built-in"):
+        resolve_reward("nope")
+    with pytest.raises(ConfigError, match="cannot import"):
+        resolve_reward("grpo_accel.rewards:nope")

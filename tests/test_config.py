@@ -1,0 +1,76 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from grpo_accel.config import ConfigError, GRPOConfig, load_config, to_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "launch" / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_experiment_config_loads_and_lays_out(path):
+    cfg = load_config(path)
+    cfg.check_batch_layout(1)
+    assert "completions per step" in cfg.describe_batch_layout(1)
+
+
+def test_default_yaml_spells_out_the_defaults():
+    assert to_dict(load_config(ROOT / "launch" / "configs" / "default.yaml")) == to_dict(GRPOConfig())
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "accelerate_configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_accelerate_config_is_yaml_with_its_launch_command(path):
+    text = path.read_text()
+    assert text.startswith("# accelerate launch --config_file accelerate_configs/" + path.name)
+    assert isinstance(yaml.safe_load(text), dict)
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_config(None, ["trainer.total_frames=64", "optim.lr=1e-3", "loss.tis_cap=2", "optim.clip_norm=null",
+                             "rewards=[{name: answer_match}]", "output_dir=/tmp/x"])
+    assert cfg.trainer.total_frames == 64 and cfg.optim.lr == 1e-3 and cfg.loss.tis_cap == 2.0
+    assert cfg.optim.clip_norm is None and [r.name for r in cfg.rewards] == ["answer_match"]
+    assert cfg.output_dir == "/tmp/x"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [("rollout.group_size=1", "rollout.group_size=1: GRPO compares"),
+     ("rollout.sizes=3", "rollout.sizes: unknown key; valid keys under rollout"),
+     ("loss.aggregation=mean", "loss.aggregation='mean': must be one of"),
+     ("trainer.total_frames=many", "trainer.total_frames='many': must be an integer"),
+     ("trainer.progress_bar=3", "must be true or false"),
+     ("rollout.temperature=0", "rollout.temperature=0.0: must be > 0"),
+     ("rollout.top_p=1.5", "rollout.top_p=1.5"),
+     ("model.num_heads=3", "model.num_heads=3: must divide model.hidden_size=64"),
+     ("rewards=[]", "list at least one reward"),
+     ("rewards=[{name: a}, {name: a}]", "may appear once"),
+     ("rewards=[{nme: a}]", "rewards[0].nme: unknown key"),
+     ("loss.kl_coef=-1", "loss.kl_coef=-1.0"),
+     ("data.holdout=25", "data.holdout=25"),
+     ("trainer=5", "trainer=5: must be a mapping"),
+     ("novalue", "is not key=value")],
+)
+def test_bad_values_name_key_value_and_fix(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert message in str(err.value)
+
+
+def test_batch_layout_must_divide():
+    cfg = load_config(None, ["rollout.prompts_per_step=6"])
+    with pytest.raises(ConfigError, match="multiple of the 4 processes"):
+        cfg.check_batch_layout(4)
+    with pytest.raises(ConfigError, match="64 completions .* = 256"):
+        load_config(None, ["trainer.gradient_accumulation_steps=2", "rollout.prompts_per_step=8"]).check_batch_layout(1)
+    load_config(None, ["trainer.micro_batch_completions=32", "trainer.gradient_accumulation_steps=2"]).check_batch_layout(2)
+
+
+def test_missing_and_broken_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)

@@ -1,0 +1,72 @@
+"""The recipe end to end through real ``accelerate launch`` subprocesses."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from launching import ROOT, launch
+
+
+def test_embedded_default_learns_and_logs_to_tensorboard(tmp_path):
+    out = tmp_path / "run"
+    launch("single_process.yaml", [f"output_dir={out}", "trainer.total_frames=25600", "trainer.progress_bar=false"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["iterations"] == 200
+    assert summary["reward_last10_mean"] > summary["reward_first10_mean"] + 0.15, summary
+    from grpo_accel.tracking import read_scalars
+
+    scalars = read_scalars(out / "tensorboard")
+    for tag in ("train/reward_mean", "train/reward_std", "train/loss", "train/clip_fraction", "train/kl_approx",
+                "train/ESS", "train/entropy", "train/ratio_mean", "train/reward/answer_match_mean",
+                "train/reward/format_match_mean"):
+        assert len(scalars[tag]) == 200, tag
+    assert [step for step, _ in scalars["train/reward_mean"]][:3] == [1, 2, 3]
+    assert (out / "config.yaml").read_text().count("total_frames: 25600") == 1
+
+
+def test_model_path_and_dataset_file(tmp_path, tokenizer, tiny_model):
+    model_dir = tmp_path / "model"
+    tiny_model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(5)))
+    out = tmp_path / "run"
+    launch("single_process.yaml", [
+        "--config", str(ROOT / "launch" / "configs" / "default.yaml"), f"output_dir={out}",
+        f"model.name_or_path={model_dir}", f"data.path={data}", "data.prompt_field=question",
+        "trainer.total_frames=256", "rollout.prompts_per_step=4", "trainer.micro_batch_completions=16",
+    ])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["iterations"] == 8
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [("rollout.group_size=1", "rollout.group_size=1: GRPO compares completions"),
+     ("data.path=/nonexistent.jsonl", "data.path='/nonexistent.jsonl': no such file"),
+     ("trainer.micro_batch_completions=48", "multiple of micro_batch_completions x gradient_accumulation_steps = 48"),
+     ("rollout.max_prompt_tokens=2", "prompt is 4 tokens, more than rollout.max_prompt_tokens=2")],
+)
+def test_bad_input_stops_with_a_named_error(tmp_path, override, message):
+    proc = launch("single_process.yaml", [f"output_dir={tmp_path}", override], expect_ok=False, timeout=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+
+
+def test_empty_dataset_names_the_file(tmp_path):
+    data = tmp_path / "empty.jsonl"
+    data.write_text("\n")
+    proc = launch("single_process.yaml", [f"output_dir={tmp_path}", f"data.path={data}"], expect_ok=False, timeout=120)
+    assert "the dataset is empty" in proc.stderr and str(data) in proc.stderr
+
+
+def test_import_is_cheap():
+    code = (
+        "import sys, grpo_accel\n"
+        "heavy = [m for m in ('torch', 'transformers', 'accelerate', 'deepspeed', 'sglang') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "from grpo_accel import GRPOTrainer, GRPOLoss\n"
+        "assert 'deepspeed' not in sys.modules and 'sglang' not in sys.modules, 'optional packages imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

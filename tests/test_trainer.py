@@ -1,0 +1,222 @@
+"""GRPOTrainer in one process (the multi-process runs are in test_launch.py)."""
+import copy
+
+import pytest
+import torch
+
+from grpo_accel import batch as K
+from grpo_accel.buffer import ReplayBuffer
+from grpo_accel.loss import GRPOLoss
+from grpo_accel.rewards import RewardSet, answer_match, format_match
+from grpo_accel.rollout.collector import GRPOCollector
+from grpo_accel.rollout.local import EmbeddedEngine, EmbeddedWeightSync
+from grpo_accel.tasks.addition import addition_rows
+from grpo_accel.trainer import GRPOTrainer
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+class RecordingLoss(GRPOLoss):
+    """GRPOLoss that keeps every forward's diagnostics."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.calls = []
+
+    def forward(self, td, normalizer=None):
+        out = super().forward(td, normalizer)
+        self.calls.append({k: float(out[k].detach()) for k in out.keys()})
+        return out
+
+
+def make_trainer(tokenizer, model, *, prompts=4, group=4, lr=3e-3, loss_kwargs=None, **kw):
+    torch.manual_seed(0)
+    engine = EmbeddedEngine(model, tokenizer, max_new_tokens=4)
+    rewards = RewardSet({"answer_match": answer_match, "format_match": format_match}, {"format_match": 0.2})
+    collector = GRPOCollector(engine, tokenizer, addition_rows(4)[0], rewards, prompts_per_batch=prompts, group_size=group)
+    loss = RecordingLoss(model, **(loss_kwargs or {}))
+    args = dict(
+        collector=collector, total_frames=prompts * group * 3, loss_module=loss,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=lr),
+        weight_sync_sender=EmbeddedWeightSync(engine), empty_replay_buffer_on_weight_update=True, seed=0,
+    ) | kw
+    return GRPOTrainer(**args)
+
+
+def test_reward_rises_in_a_short_run(tokenizer, tiny_model):
+    trainer = make_trainer(tokenizer, tiny_model, prompts=16, group=8, total_frames=128 * 40)
+    trainer.train()
+    rewards = [h["train/reward_mean"] for h in trainer.history]
+    assert len(rewards) == 40 and trainer.frames == 128 * 40 and trainer.optim_steps == 40
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last > first + 0.15, (first, last)
+
+
+def test_each_batch_is_one_push_and_versions_advance(tokenizer, tiny_model):
+    trainer = make_trainer(tokenizer, tiny_model)
+    trainer.train()
+    assert trainer.collector.engine.weight_version == 3
+    assert [h["train/weight_version_mean"] for h in trainer.history] == [0.0, 1.0, 2.0]
+    assert len(trainer.replay_buffer) == 0
+
+
+def test_kept_buffer_grows_and_old_logprobs_are_stored(tokenizer, tiny_model):
+    trainer = make_trainer(tokenizer, tiny_model, empty_replay_buffer_on_weight_update=False, optim_steps_per_batch=1)
+    trainer.train()
+    assert len(trainer.replay_buffer) == 48
+    assert K.OLD_LOGPROBS in trainer.replay_buffer._storage.keys()
+
+
+def test_first_epoch_is_on_policy_then_ratio_moves(tokenizer, tiny_model):
+    trainer = make_trainer(tokenizer, tiny_model, num_epochs=2, batch_size=8, total_frames=16)
+    trainer.train()
+    calls = trainer.unwrapped_loss.calls
+    assert len(calls) == 4 and trainer.optim_steps == 4  # 2 epochs x 2 micro-batches
+    assert calls[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and calls[0]["clip_fraction"] == 0
+    assert calls[0]["ratio_max"] == pytest.approx(1.0, abs=1e-6)
+    assert max(abs(c["ratio_mean"] - 1) for c in calls[1:]) > 1e-4
+
+
+def test_accumulation_two_by_four_equals_one_by_eight(tokenizer):
+    from grpo_accel.tasks.tiny import build_tiny_model
+
+    def final_weights(batch_size, ga):
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        model = build_tiny_model(tokenizer, seed=0)
+        trainer = make_trainer(tokenizer, model, prompts=2, group=4, total_frames=8, batch_size=batch_size,
+                               gradient_accumulation_steps=ga, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                               clip_norm=None)
+        trainer.train()
+        assert trainer.optim_steps == 1
+        return torch.cat([p.detach().flatten() for p in model.parameters()]), trainer.history[0]["train/loss"]
+
+    w8, loss8 = final_weights(8, 1)
+    w4, loss4 = final_weights(4, 2)
+    w0 = torch.cat([p.detach().flatten() for p in build_tiny_model(tokenizer, seed=0).parameters()])
+    assert (w8 - w0).abs().max() > 1e-4, "the step changed the weights"
+    torch.testing.assert_close(w4, w8, atol=1e-6, rtol=1e-5)
+    assert loss4 == pytest.approx(loss8, abs=1e-6)
+
+
+def test_same_seed_same_run(tokenizer):
+    from grpo_accel.tasks.tiny import build_tiny_model
+
+    runs = []
+    for _ in range(2):
+        trainer = make_trainer(tokenizer, build_tiny_model(tokenizer, seed=0))
+        trainer.train()
+        runs.append(trainer.history)
+    assert runs[0] == runs[1]
+
+
+def test_request_stop_from_the_weight_push(tokenizer, tiny_model):
+    class StopAfterTwo:
+        def __init__(self):
+            self.pushes = 0
+
+        def update_weights(self):
+            self.pushes += 1
+            if self.pushes == 2:
+                trainer.request_stop("enough")
+
+    sender = StopAfterTwo()
+    trainer = make_trainer(tokenizer, tiny_model, weight_sync_sender=sender, total_frames=10_000)
+    trainer.train()
+    assert trainer.iterations == 2 and sender.pushes == 2 and trainer.frames == 32
+
+
+def test_logging_switches(tokenizer, tiny_model):
+    trainer = make_trainer(tokenizer, tiny_model, loss_kwargs={"reference": copy.deepcopy(tiny_model), "kl_coef": 0.1},
+                           log_kl=False, log_rewards=False, auto_log_optim_steps=False, log_timings=True)
+    trainer.train()
+    keys = set(trainer.history[0])
+    assert not any("kl" in k for k in keys) and not any("reward" in k for k in keys)
+    assert "train/optim_steps" not in keys and "train/loss_objective" in keys
+    assert {"time/forward_backward", "time/ref_logprobs", "time/iteration"} <= keys
+
+
+def test_default_logging_has_the_documented_tags(tokenizer, tiny_model):
+    trainer = make_trainer(tokenizer, tiny_model, loss_kwargs={"reference": copy.deepcopy(tiny_model), "kl_coef": 0.1})
+    trainer.train()
+    keys = set(trainer.history[0])
+    assert {"train/reward_mean", "train/reward_std", "train/loss", "train/loss_objective", "train/loss_kl",
+            "train/kl_ref", "train/clip_fraction", "train/kl_approx", "train/ESS", "train/entropy",
+            "train/ratio_mean", "train/ratio_min", "train/ratio_max", "train/reward/answer_match_mean",
+            "train/reward/format_match_mean", "train/optim_steps", "train/frames", "train/grad_norm"} <= keys
+    assert not any(k.startswith("time/") for k in keys)
+
+
+def test_log_interval_and_frame_skip(tokenizer, tiny_model):
+    trainer = make_trainer(tokenizer, tiny_model, log_interval=32, frame_skip=2, total_frames=16 * 2 * 4)
+    trainer.train()
+    assert trainer.iterations == 4 and trainer.frames == 128
+    assert [h["train/frames"] for h in trainer.history] == [32.0, 64.0, 96.0, 128.0]
+    trainer = make_trainer(tokenizer, tiny_model, log_interval=48, total_frames=16 * 4)
+    trainer.train()
+    assert [h["train/frames"] for h in trainer.history] == [16.0, 64.0]  # the last batch always logs
+
+
+def test_bf16_mixed_precision_finishes_finite(tokenizer, tiny_model):
+    trainer = make_trainer(tokenizer, tiny_model, mixed_precision=True, autocast_dtype=torch.bfloat16)
+    trainer.train()
+    assert trainer.accelerator.mixed_precision == "bf16"
+    assert all(torch.isfinite(torch.tensor(h["train/loss"])) for h in trainer.history)
+
+
+def test_compute_loss_methods_and_explicit_device(tokenizer, tiny_model):
+    trainer = make_trainer(tokenizer, tiny_model, device="cpu", replay_buffer=ReplayBuffer(4), batch_size=8)
+    assert trainer.replay_buffer.batch_size == 8 and trainer.device == torch.device("cpu")
+    td = trainer.collector.collect()
+    out = trainer.compute_loss(td)
+    assert "loss_objective" in out.keys()
+    assert float(trainer.compute_loss(td, method="units")) == float(td[K.COMPLETION_MASK].sum())
+
+
+def test_progress_bar_shows_frames(tokenizer, tiny_model, capsys):
+    make_trainer(tokenizer, tiny_model, progress_bar=True).train()
+    assert "frames" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [("optimization_stepper", object()), ("save_trainer_interval", 100), ("save_trainer_file", "x.pt"),
+     ("checkpoint", object()), ("checkpoint_rotation", object()), ("checkpoint_metadata", dict),
+     ("async_collection", True)],
+)
+def test_parameters_of_later_issues_raise_not_implemented(tokenizer, tiny_model, name, value):
+    with pytest.raises(NotImplementedError, match=name):
+        make_trainer(tokenizer, tiny_model, **{name: value})
+
+
+def test_load_from_file_is_not_silently_a_no_op(tokenizer, tiny_model):
+    with pytest.raises(NotImplementedError, match="load_from_file"):
+        make_trainer(tokenizer, tiny_model).load_from_file("x.pt")
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [({"optimizer": None}, "optimizer=None"), ({"loss_module": None}, "loss_module=None"),
+     ({"total_frames": 0}, "total_frames=0"), ({"num_epochs": 0}, "num_epochs=0"),
+     ({"weight_update_frequency": 3}, "weight_update_frequency=3"), ({"log_interval": 0}, "log_interval=0"),
+     ({"mixed_precision": True, "autocast_dtype": torch.float64}, "autocast_dtype")],
+)
+def test_bad_trainer_arguments_name_the_parameter(tokenizer, tiny_model, kwargs, fragment):
+    args = {"optimizer": torch.optim.AdamW(tiny_model.parameters())} | kwargs
+    with pytest.raises(ValueError, match=fragment):
+        make_trainer(tokenizer, tiny_model, **args)
+
+
+def test_micro_batches_must_fill_accumulation(tokenizer, tiny_model):
+    trainer = make_trainer(tokenizer, tiny_model, batch_size=8, gradient_accumulation_steps=4)
+    with pytest.raises(ValueError, match="not a multiple of gradient_accumulation_steps=4"):
+        trainer.train()
