@@ -40,10 +40,21 @@ def make_accelerator(gradient_accumulation_steps: int = 1, mixed_precision: str 
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed and not torch.cuda.is_available() else []
-    return Accelerator(
+    from grpo_accel.distributed import launch_world_size, uses_deepspeed
+
+    world = launch_world_size()
+    cpu_only = not torch.cuda.is_available()
+    if world > 1 and cpu_only and not uses_deepspeed():
+        os.environ["ACCELERATE_USE_CPU"] = "true"  # a MULTI_GPU (DDP) config on CPU: MULTI_CPU over gloo
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if world > 1 and cpu_only else []
+    accelerator = Accelerator(
         gradient_accumulation_steps=gradient_accumulation_steps,
         mixed_precision=mixed_precision,
         kwargs_handlers=handlers,
     )
+    if accelerator.num_processes != world or (world > 1 and accelerator.distributed_type.name == "NO"):
+        raise RuntimeError(
+            f"launched {world} processes but Accelerate sees {accelerator.num_processes} "
+            f"({accelerator.distributed_type}); the processes would train alone. Check the accelerate config."
+        )
+    return accelerator

@@ -22,6 +22,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from grpo_accel import batch as K
 from grpo_accel.buffer import ReplayBuffer
+from grpo_accel.distributed import configure_deepspeed
 from grpo_accel.loss import distributed_normalizer
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ class GRPOTrainer:
         self.logger, self.log_interval, self.progress_bar = logger, log_interval, progress_bar
         self.log_timings, self.auto_log_optim_steps = log_timings, auto_log_optim_steps
         self.log_rewards, self.log_kl = log_rewards, log_kl
+        self._configure_deepspeed(loss_module)
         self.loss_module, self.optimizer = self.accelerator.prepare(loss_module, optimizer)
         self.device = torch.device(device) if device is not None else self.accelerator.device
         self.frames = self.optim_steps = self.iterations = 0
@@ -176,6 +178,18 @@ class GRPOTrainer:
         self._stop_reason = reason or "request_stop() called"
 
     # ----------------------------------------------------------------------------------------- the loop
+
+    def _configure_deepspeed(self, loss_module: torch.nn.Module) -> None:
+        """Under DeepSpeed, the trainer's batch size, accumulation and clipping go into its config."""
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if plugin is None:
+            return
+        config = getattr(getattr(loss_module, "policy", None), "config", None)
+        configure_deepspeed(
+            plugin.deepspeed_config, micro_batch=self.replay_buffer.batch_size,
+            accumulation=self.gradient_accumulation_steps, num_processes=self.accelerator.num_processes,
+            clip_norm=self.clip_norm, hidden_size=getattr(config, "hidden_size", None),
+        )
 
     def _needs_old_logprobs(self, rows: int) -> bool:
         """pi_old must be stored unless each row is used by exactly one optimizer step taken right after sampling."""

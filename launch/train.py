@@ -30,6 +30,7 @@ def build_trainer(cfg: GRPOConfig):
     import torch
 
     from grpo_accel.build import build_rewards, build_rows, build_tokenizer_and_model
+    from grpo_accel.distributed import preflight
     from grpo_accel.loss import GRPOLoss
     from grpo_accel.rollout.collector import GRPOCollector
     from grpo_accel.rollout.local import EmbeddedEngine, EmbeddedWeightSync
@@ -38,11 +39,20 @@ def build_trainer(cfg: GRPOConfig):
     from grpo_accel.trainer import GRPOTrainer
 
     t, r, lc = cfg.trainer, cfg.rollout, cfg.loss
-    accelerator = make_accelerator(t.gradient_accumulation_steps, t.mixed_precision)
-    cfg.check_batch_layout(accelerator.num_processes)
-    log.info(cfg.describe_batch_layout(accelerator.num_processes))
-    tokenizer, model = build_tokenizer_and_model(cfg.model, seed=t.seed)
+    # Everything that can be checked without a process group is checked first.
+    preflight()
+    cfg.check_batch_layout(int(os.environ.get("WORLD_SIZE", "1")))
     rows, _held_out = build_rows(cfg.data)
+    # Models are built before the Accelerator: under ZeRO-3 that keeps zero.Init out, so every stage starts
+    # from the same weights (DeepSpeed partitions them in prepare()).
+    tokenizer, model = build_tokenizer_and_model(cfg.model, seed=t.seed)
+    reference = copy.deepcopy(model) if lc.kl_coef > 0 else None
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    accelerator = make_accelerator(t.gradient_accumulation_steps, t.mixed_precision)
+    log.info("process group ready: rank %d of %d (%s)", accelerator.process_index, accelerator.num_processes,
+             accelerator.distributed_type.name)
+    log.info(cfg.describe_batch_layout(accelerator.num_processes))
     engine = EmbeddedEngine(model, tokenizer, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                             top_p=r.top_p, top_k=r.top_k)
     collector = GRPOCollector(
@@ -52,7 +62,7 @@ def build_trainer(cfg: GRPOConfig):
         rank=accelerator.process_index, world_size=accelerator.num_processes,
     )
     loss = GRPOLoss(
-        model, copy.deepcopy(model) if lc.kl_coef > 0 else None, clip_epsilon=(lc.clip_eps_low, lc.clip_eps_high),
+        model, reference, clip_epsilon=(lc.clip_eps_low, lc.clip_eps_high),
         kl_coef=lc.kl_coef, kl_estimator=lc.kl_estimator, aggregation=lc.aggregation,
         max_completion_tokens=r.max_new_tokens, importance_level=lc.importance_level, tis_cap=lc.tis_cap,
         temperature=r.temperature,
@@ -73,11 +83,18 @@ def build_trainer(cfg: GRPOConfig):
     )
 
 
-def summarize(history: list[dict], wall_s: float) -> dict:
-    rewards = [h["train/reward_mean"] for h in history if "train/reward_mean" in h]
+def summarize(trainer, wall_s: float) -> dict:
+    from grpo_accel.distributed import local_parameter_fraction, zero_stage
+
+    rewards = [h["train/reward_mean"] for h in trainer.history if "train/reward_mean" in h]
     k = min(10, len(rewards))
+    acc = trainer.accelerator
     return {
-        "iterations": len(history),
+        "num_processes": acc.num_processes,
+        "distributed_type": acc.distributed_type.name,
+        "zero_stage": zero_stage(acc),
+        "param_fraction_on_rank0": round(local_parameter_fraction(trainer.loss_module), 4),
+        "iterations": len(trainer.history),
         "reward_first10_mean": sum(rewards[:k]) / max(k, 1),
         "reward_last10_mean": sum(rewards[-k:]) / max(k, 1),
         "wall_time_s": round(wall_s, 1),
@@ -103,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer.train()
     trainer.accelerator.wait_for_everyone()
     if trainer.accelerator.is_main_process:
-        summary = summarize(trainer.history, time.perf_counter() - start)
+        summary = summarize(trainer, time.perf_counter() - start)
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         log.info("summary: %s", json.dumps(summary))
     trainer.accelerator.end_training()

@@ -18,7 +18,7 @@ FINISH_NAMES = {code: name for name, code in K.FINISH_REASONS.items()}
 class RolloutEngine(Protocol):
     weight_version: int
 
-    def generate(self, prompt_ids: list[list[int]], group_size: int) -> TensorDict: ...
+    def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int] | None = None) -> TensorDict: ...
 
 
 class GRPOCollector:
@@ -121,13 +121,16 @@ class GRPOCollector:
         global_indices = self._next_indices()
         share = self.prompts_per_batch // self.world_size
         indices = global_indices[self.rank * share : (self.rank + 1) * share]
-        td = self.engine.generate([self._encode(i) for i in indices], self.group_size)
+        first_group = self.batches * self.prompts_per_batch + self.rank * share
+        group_ids = list(range(first_group, first_group + share))
+        # Seeds depend on (seed, group id) only: the same samples whatever the number of processes.
+        seeds = [(self.seed % 2**20) * 2**36 + g for g in group_ids]
+        td = self.engine.generate([self._encode(i) for i in indices], self.group_size, seeds=seeds)
         td.update(self._score(td, indices))
         td[K.ADVANTAGES] = group_advantages(
             td[K.REWARD], self.group_size, scale_by_std=self.scale_advantages, leave_one_out=self.leave_one_out
         )
-        first_group = self.batches * self.prompts_per_batch + self.rank * share
-        td[K.GROUP_ID] = torch.arange(first_group, first_group + share).repeat_interleave(self.group_size)
+        td[K.GROUP_ID] = torch.tensor(group_ids).repeat_interleave(self.group_size)
         self.batches += 1
         return td
 

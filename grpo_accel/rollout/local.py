@@ -10,6 +10,7 @@ from torch import nn
 
 from grpo_accel import batch as K
 from grpo_accel.logprobs import selected_logprobs
+from grpo_accel.rollout.sampling import KeyedSampler
 
 
 class EmbeddedEngine:
@@ -43,30 +44,39 @@ class EmbeddedEngine:
     ) -> None:
         from transformers import GenerationConfig
 
-        self.model, self.temperature = model, float(temperature)
+        self.model, self.temperature, self.top_k, self.top_p = model, float(temperature), top_k, top_p
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_id = tokenizer.eos_token_id
         self.gather = gather or contextlib.nullcontext
         self.weight_version = 0
+        # Sampling is done by KeyedSampler (temperature, filters, keyed Gumbel noise) on top of greedy decoding.
         self.generation_config = GenerationConfig(
-            do_sample=True, temperature=self.temperature, top_p=top_p, top_k=top_k,
-            max_new_tokens=max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+            do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
             output_logits=True, return_dict_in_generate=True,
         )
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], group_size: int) -> TensorDict:
-        """Rollout TensorDict [len(prompt_ids) * group_size] (prompt, completion, engine logprobs, finish)."""
+    def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int] | None = None) -> TensorDict:
+        """Rollout TensorDict [len(prompt_ids) * group_size] (prompt, completion, engine logprobs, finish).
+
+        ``seeds`` (one per prompt) fix each completion's random stream: completion j of a prompt with seed s
+        is the same whatever else is generated with it. Without seeds, they are drawn from torch's RNG.
+        """
         repeated = [p for p in prompt_ids for _ in range(group_size)]
         ids = K.pad_sequences(repeated, self.pad_id, "left")  # [N, P]
         mask = K.pad_sequences([[1] * len(p) for p in repeated], 0, "left")
+        if seeds is None:
+            seeds = torch.randint(0, 2**56, (len(prompt_ids),)).tolist()
+        keys = torch.tensor([s * group_size + j for s in seeds for j in range(group_size)], dtype=torch.long)
+        sampler = KeyedSampler(keys, ids.shape[1], self.temperature, self.top_k, self.top_p)
         device = next(self.model.parameters()).device
         was_training = self.model.training
         self.model.eval()
         try:
             with self.gather():
                 out = self.model.generate(
-                    input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=self.generation_config
+                    input_ids=ids.to(device), attention_mask=mask.to(device),
+                    generation_config=self.generation_config, logits_processor=[sampler],
                 )
         finally:
             self.model.train(was_training)

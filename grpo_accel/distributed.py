@@ -1,0 +1,137 @@
+"""Distributed set-up in one place: checks before any process group starts, DeepSpeed values the trainer owns,
+and the ZeRO-3 gather used wherever full parameters are needed (generation, export, weight sync)."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+OFFLOAD_KEYS = ("offload_optimizer", "offload_param")
+
+
+class DistributedConfigError(ValueError):
+    """A launcher / DeepSpeed configuration cannot work; the message names the file, the value and the fix."""
+
+
+def launch_world_size() -> int:
+    """Processes in the job, from the launcher's environment (1 when not launched)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def uses_deepspeed() -> bool:
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def read_deepspeed_file(path: str | Path) -> dict:
+    """The DeepSpeed JSON at ``path``, validated (stage 0-3, offload only where DeepSpeed honours it)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DistributedConfigError(
+            f"DeepSpeed config file {str(path)!r} does not exist (cwd {os.getcwd()!r}); point deepspeed_config_file "
+            "in the accelerate config at one of ds_configs/*.json, and launch from the repository root."
+        )
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DistributedConfigError(f"DeepSpeed config file {str(path)!r} is not valid JSON: {exc}.") from exc
+    if not isinstance(cfg, dict):
+        raise DistributedConfigError(f"DeepSpeed config file {str(path)!r} must hold a JSON object.")
+    validate_deepspeed_config(cfg, str(path))
+    return cfg
+
+
+def validate_deepspeed_config(cfg: dict, source: str) -> None:
+    zero = cfg.get("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise DistributedConfigError(f"{source}: zero_optimization.stage={stage!r}; ZeRO stages are 0, 1, 2 or 3.")
+    offload = {k: zero[k].get("device", "none") for k in OFFLOAD_KEYS if isinstance(zero.get(k), dict)}
+    if offload.get("offload_param", "none") != "none" and stage != 3:
+        raise DistributedConfigError(
+            f"{source}: offload_param needs ZeRO stage 3 but stage={stage}; DeepSpeed would ignore it. "
+            "Use ds_configs/zero3_offload.json, or remove offload_param."
+        )
+    if offload.get("offload_optimizer", "none") != "none" and stage == 0:
+        raise DistributedConfigError(
+            f"{source}: offload_optimizer needs ZeRO stage 1-3 but stage=0. Raise the stage or remove it."
+        )
+    if offload and cfg.get("zero_force_ds_cpu_optimizer", True) is not False:
+        raise DistributedConfigError(
+            f"{source}: CPU offload without \"zero_force_ds_cpu_optimizer\": false makes Accelerate swap in "
+            "DeepSpeedCPUAdam (minutes of compilation, different optimizer); add that key set to false."
+        )
+    if "optimizer" in cfg:
+        raise DistributedConfigError(
+            f"{source}: has an \"optimizer\" block; grpo_accel passes a torch optimizer (set in optim.*), so remove it."
+        )
+
+
+def preflight() -> dict:
+    """Checks the launch before any process group starts; returns the DeepSpeed config ({} without DeepSpeed).
+
+    Offload is chosen by the DeepSpeed file alone (one place); asking for it where the stage cannot honour it
+    is an error here rather than a silent no-op in DeepSpeed.
+    """
+    if not uses_deepspeed():
+        return {}
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if not path or path.lower() == "none":
+        stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+        if stage not in ("0", "1", "2", "3"):
+            raise DistributedConfigError(f"accelerate config zero_stage={stage!r}; ZeRO stages are 0, 1, 2 or 3.")
+        return {"zero_optimization": {"stage": int(stage)}}
+    return read_deepspeed_file(path)
+
+
+def configure_deepspeed(ds_config: dict, *, micro_batch: int, accumulation: int, num_processes: int,
+                        clip_norm: float | None, hidden_size: int | None) -> dict:
+    """Write the values the trainer owns into the DeepSpeed config, so users never set them in two places.
+
+    Batch sizes and accumulation come from the trainer; clipping from ``clip_norm`` (DeepSpeed clips inside its
+    step); hidden-size-based ZeRO buckets left at "auto" are sized like Accelerate does for a bare model.
+    """
+    ds_config["train_micro_batch_size_per_gpu"] = micro_batch
+    ds_config["gradient_accumulation_steps"] = accumulation
+    ds_config["train_batch_size"] = micro_batch * accumulation * num_processes
+    ds_config["gradient_clipping"] = float(clip_norm or 0.0)
+    zero = ds_config.setdefault("zero_optimization", {})
+    if hidden_size:
+        sized = {"reduce_bucket_size": hidden_size * hidden_size,
+                 "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+                 "stage3_param_persistence_threshold": 10 * hidden_size}
+        for key, value in sized.items():
+            if zero.get(key) == "auto":
+                zero[key] = value
+    return ds_config
+
+
+def zero_stage(accelerator) -> int:
+    """The ZeRO stage of ``accelerator`` (0 without DeepSpeed)."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return int(plugin.zero_stage) if plugin is not None else 0
+
+
+def local_parameter_fraction(module) -> float:
+    """Share of ``module``'s parameter elements stored on this rank (1.0 unless ZeRO-3 partitions them)."""
+    local = total = 0
+    for p in module.parameters():
+        full = p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+        local += p.ds_tensor.numel() if hasattr(p, "ds_tensor") else full
+        total += full
+    return local / max(total, 1)
+
+
+@contextlib.contextmanager
+def gathered_parameters(module, enabled: bool = True) -> Iterator[None]:
+    """Full parameters of ``module`` inside the block under ZeRO-3 (a collective: every rank must enter);
+    a no-op for parameters that are not ZeRO-3 partitioned. Read-only: changes inside are discarded."""
+    params = [p for p in module.parameters() if hasattr(p, "ds_id")]
+    if not (enabled and params):
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        yield

@@ -1,0 +1,179 @@
+"""ZeRO 0-3 and DDP for real: 2-process ``accelerate launch`` runs on CPU (gloo) against a 1-process run.
+
+Tolerance: keyed sampling makes every process count draw exactly the same completions, so rewards match
+exactly while the weights agree to float32 rounding; losses then differ only by the order of float32
+summation (all-reduce, ZeRO's flattened buckets): measured <= 1e-6 relative over these 5 steps. We allow
+rtol 1e-4 / atol 1e-6, far below any real divergence (a wrong normaliser is off by a factor of 2).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from grpo_accel.distributed import DistributedConfigError, read_deepspeed_file, validate_deepspeed_config
+from launching import ROOT, free_port, launch
+
+BASE = ["trainer.total_frames=640", "trainer.progress_bar=false"]  # 5 batches of 16 prompts x 8
+TAGS = ("train/loss", "train/reward_mean", "train/clip_fraction", "train/entropy")
+
+
+READY = "process group ready: rank {} of 2"
+
+
+def run(config, tmp_path, name, *extra):
+    out = tmp_path / name
+    proc = launch(config, [f"output_dir={out}", *BASE, *extra])
+    if config != "single_process.yaml":
+        assert READY.format(0) in proc.stderr and READY.format(1) in proc.stderr
+    return out
+
+
+def curves(out):
+    from grpo_accel.tracking import read_scalars
+
+    scalars = read_scalars(out / "tensorboard")
+    return {tag: [v for _, v in scalars[tag]] for tag in TAGS}, json.loads((out / "summary.json").read_text())
+
+
+def assert_same_run(got, expected):
+    for tag in TAGS:
+        assert len(got[tag]) == 5
+        assert got[tag] == pytest.approx(expected[tag], rel=1e-4, abs=1e-6), tag
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return curves(run("single_process.yaml", tmp_path_factory.mktemp("single"), "run"))[0]
+
+
+@pytest.mark.parametrize("config, stage, dist_type", [
+    ("ddp.yaml", 0, "MULTI_CPU"), ("zero1.yaml", 1, "DEEPSPEED"),
+    ("zero2.yaml", 2, "DEEPSPEED"), ("zero3.yaml", 3, "DEEPSPEED"),
+])
+def test_two_processes_match_one_process(single, tmp_path, config, stage, dist_type):
+    got, summary = curves(run(config, tmp_path, "run", "trainer.micro_batch_completions=64"))
+    assert summary["num_processes"] == 2 and summary["distributed_type"] == dist_type
+    assert summary["zero_stage"] == stage
+    assert summary["param_fraction_on_rank0"] == (0.5 if stage == 3 else 1.0)  # ZeRO-3 really shards
+    assert_same_run(got, single)
+
+
+def test_zero3_with_reference_offload_and_checkpointing_matches_one_process(tmp_path):
+    kl = ["loss.kl_coef=0.1"]
+    expected, _ = curves(run("single_process.yaml", tmp_path, "single", *kl))
+    got, summary = curves(run("zero3_offload.yaml", tmp_path, "z3", *kl, "trainer.micro_batch_completions=64",
+                              "model.gradient_checkpointing=true"))
+    assert summary["zero_stage"] == 3 and summary["param_fraction_on_rank0"] == 0.5
+    assert_same_run(got, expected)
+
+
+def test_accumulation_under_zero2(tmp_path):
+    one, _ = curves(run("zero2.yaml", tmp_path, "ga1", "trainer.micro_batch_completions=64"))
+    two, _ = curves(run("zero2.yaml", tmp_path, "ga2", "trainer.micro_batch_completions=32",
+                        "trainer.gradient_accumulation_steps=2"))
+    assert_same_run(two, one)
+
+
+def test_bf16_under_zero3_learns_with_finite_loss(tmp_path):
+    out = tmp_path / "bf16"
+    launch("zero3.yaml", [f"output_dir={out}", "trainer.total_frames=7680", "trainer.progress_bar=false",
+                          "trainer.micro_batch_completions=64", "trainer.mixed_precision=bf16", "optim.lr=3e-3"])
+    from grpo_accel.tracking import read_scalars
+
+    scalars = read_scalars(out / "tensorboard")
+    losses = [v for _, v in scalars["train/loss"]]
+    assert len(losses) == 60 and all(abs(v) < 1e3 for v in losses)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["reward_last10_mean"] > summary["reward_first10_mean"] + 0.1, summary
+
+
+def test_slurm_script_runs_two_machines_of_one_process(single, tmp_path):
+    """launch/slurm.sbatch under stand-ins for srun/scontrol that start its two tasks (two "machines" of one
+    process each, on 127.0.0.1) the way SLURM would; each runs launch/multinode.sh -> accelerate launch."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho 127.0.0.1\necho 127.0.0.1\n")
+    (bin_dir / "srun").write_text(
+        "#!/usr/bin/env bash\n"  # drop srun's own options, run the command once per node in parallel
+        "while [[ $1 == --* ]]; do shift; done\n"
+        "SLURM_NODEID=0 \"$@\" & a=$!\nSLURM_NODEID=1 \"$@\" & b=$!\n"
+        "wait $a; ra=$?; wait $b; rb=$?; exit $(( ra | rb ))\n"
+    )
+    for shim in bin_dir.iterdir():
+        shim.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node[0-1]",
+           "SLURM_NNODES": "2", "PROCS_PER_MACHINE": "1", "MAIN_PORT": str(free_port()), "PYTHON": sys.executable,
+           "SLURM_SUBMIT_DIR": str(ROOT), "DS_ACCELERATOR": "cpu"}
+    out = tmp_path / "run"
+    proc = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), f"output_dir={out}", *BASE,
+                           "trainer.micro_batch_completions=64"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    assert READY.format(0) in proc.stderr and READY.format(1) in proc.stderr
+    got, summary = curves(out)
+    assert summary["num_processes"] == 2
+    assert_same_run(got, single)
+
+
+# ------------------------------------------------------------------------------------ configurations
+
+
+def test_shipped_accelerate_and_deepspeed_files_agree():
+    import yaml
+
+    ds_files = sorted((ROOT / "ds_configs").glob("*.json"))
+    assert {p.stem for p in ds_files} == {"zero0", "zero1", "zero2", "zero3", "zero3_offload"}
+    for path in ds_files:
+        cfg = read_deepspeed_file(path)
+        for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
+            assert cfg[key] == "auto", (path.name, key)  # the trainer fills them: one place to set them
+        assert "optimizer" not in cfg
+    used = set()
+    for path in sorted((ROOT / "accelerate_configs").glob("*.yaml")):
+        cfg = yaml.safe_load(path.read_text())
+        if cfg["distributed_type"] != "DEEPSPEED":
+            assert cfg["distributed_type"] in ("NO", "MULTI_GPU"), path.name
+            continue
+        ds_path = ROOT / cfg["deepspeed_config"]["deepspeed_config_file"]
+        used.add(ds_path.name)
+        stage = read_deepspeed_file(ds_path)["zero_optimization"]["stage"]
+        if path.stem.startswith("zero"):
+            assert path.stem.startswith(f"zero{stage}") and ds_path.stem == path.stem, path.name
+        assert "mixed_precision" not in cfg, "bf16 goes in the JSON (an accelerate YAML value conflicts)"
+    assert used >= {p.name for p in ds_files}
+
+
+@pytest.mark.parametrize("zero, message", [
+    ({"stage": 5}, "zero_optimization.stage=5; ZeRO stages are 0, 1, 2 or 3"),
+    ({"stage": 2, "offload_param": {"device": "cpu"}}, "offload_param needs ZeRO stage 3 but stage=2"),
+    ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "offload_optimizer needs ZeRO stage 1-3"),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, "zero_force_ds_cpu_optimizer"),
+])
+def test_bad_deepspeed_settings(zero, message):
+    with pytest.raises(DistributedConfigError, match=message.replace("(", r"\(")):
+        validate_deepspeed_config({"zero_optimization": zero}, "x.json")
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "does not exist"),
+    ("{not json", "is not valid JSON"),
+    ('{"zero_optimization": {"stage": 4}}', "zero_optimization.stage=4"),
+    ('{"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}', "offload_param needs ZeRO stage 3"),
+])
+def test_bad_deepspeed_file_stops_before_any_process_group(tmp_path, content, message):
+    ds = tmp_path / "ds.json"
+    if content is not None:
+        ds.write_text(content)
+    cfg = tmp_path / "acc.yaml"
+    cfg.write_text((ROOT / "accelerate_configs" / "zero2.yaml").read_text().replace("ds_configs/zero2.json", str(ds)))
+    proc = launch(str(cfg), [f"output_dir={tmp_path}/run"], expect_ok=False, timeout=120)
+    assert proc.returncode != 0 and message in proc.stderr and str(ds) in proc.stderr
+    assert "process group ready" not in proc.stderr
+
+
+def test_micro_batch_mismatch_stops_before_any_process_group(tmp_path):
+    proc = launch("zero2.yaml", [f"output_dir={tmp_path}", "trainer.micro_batch_completions=48"],
+                  expect_ok=False, timeout=120)
+    assert "each process collects 64 completions per step" in proc.stderr
+    assert "process group ready" not in proc.stderr
