@@ -87,6 +87,9 @@ class RolloutConfig:
     """Nucleus sampling (1.0 = off). Filters bias the importance ratio: engine logprobs are pre-filter."""
     top_k: int = 0
     """Top-k sampling (0 = off). Same caveat as top_p."""
+    zero3_gather_full: bool = False
+    """ZeRO-3 only: gather the whole policy once around generation (every rank then holds the full model)
+    instead of DeepSpeed fetching each module's shards at every decoding step (memory bounded by a module)."""
 
     def __post_init__(self) -> None:
         _check(self.group_size >= 2, "rollout.group_size", self.group_size,

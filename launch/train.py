@@ -30,7 +30,7 @@ def build_trainer(cfg: GRPOConfig):
     import torch
 
     from grpo_accel.build import build_rewards, build_rows, build_tokenizer_and_model
-    from grpo_accel.distributed import preflight
+    from grpo_accel.distributed import gathered_parameters, preflight
     from grpo_accel.loss import GRPOLoss
     from grpo_accel.rollout.collector import GRPOCollector
     from grpo_accel.rollout.local import EmbeddedEngine, EmbeddedWeightSync
@@ -54,7 +54,8 @@ def build_trainer(cfg: GRPOConfig):
              accelerator.distributed_type.name)
     log.info(cfg.describe_batch_layout(accelerator.num_processes))
     engine = EmbeddedEngine(model, tokenizer, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                            top_p=r.top_p, top_k=r.top_k)
+                            top_p=r.top_p, top_k=r.top_k,
+                            gather=(lambda: gathered_parameters(model)) if r.zero3_gather_full else None)
     collector = GRPOCollector(
         engine, tokenizer, rows, build_rewards(cfg.rewards), prompts_per_batch=r.prompts_per_step,
         group_size=r.group_size, prompt_field=cfg.data.prompt_field, max_prompt_tokens=r.max_prompt_tokens,
