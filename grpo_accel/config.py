@@ -189,9 +189,53 @@ class GRPOTrainerConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    interval_frames: int | None = 12800
+    """Save every this many frames (completions); null: only at the end and when stopped (signal, request)."""
+    resume: str | None = None
+    """null: start fresh; "auto": newest complete checkpoint in output_dir/checkpoints (fresh if none); or a folder."""
+    keep_last: int = 3
+    """Complete checkpoints kept (the newest is never deleted)."""
+    keep_best: int = 0
+    """Additionally keep this many best checkpoints by best_metric."""
+    best_metric: str = "train/reward_mean"
+    best_mode: Literal["max", "min"] = "max"
+    legacy_file: str | None = None
+    """Also write a single-file torch payload here (the spec's save_trainer_file; read by load_from_file)."""
+
+    def __post_init__(self) -> None:
+        _check(self.interval_frames is None or self.interval_frames >= 1, "checkpoint.interval_frames",
+               self.interval_frames, "must be null or >= 1.")
+        _check(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "must be >= 1 (the newest is always kept).")
+        _check(self.keep_best >= 0, "checkpoint.keep_best", self.keep_best, "must be >= 0.")
+
+
+# Settings a resumed run must share with its checkpoint (anything else, e.g. total_frames, may change).
+RESUME_MUST_MATCH = ("model.", "data.", "rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens",
+                     "rollout.temperature", "loss.", "rewards")
+
+
+def resume_conflicts(saved: dict, current: dict) -> list[str]:
+    """``key: saved -> current`` for every RESUME_MUST_MATCH setting that differs."""
+    a, b = _flatten(saved), _flatten(current)
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+            if k.startswith(RESUME_MUST_MATCH) and a.get(k) != b.get(k)]
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "kwargs":
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+@dataclass
 class GRPOConfig:
     output_dir: str = "runs/default"
-    """Run folder: TensorBoard events (tensorboard/), the resolved config.yaml, summary.json."""
+    """Run folder: tensorboard/, checkpoints/, the resolved config.yaml, summary.json."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -201,6 +245,7 @@ class GRPOConfig:
     )
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: GRPOTrainerConfig = field(default_factory=GRPOTrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         _check(bool(self.rewards), "rewards", self.rewards, "list at least one reward function.")

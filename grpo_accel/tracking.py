@@ -13,19 +13,31 @@ class TensorBoardLogger:
     """
 
     def __init__(self, log_dir: str | Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # lazy: pulls in tensorboard
-
         self.log_dir = Path(log_dir)
-        self._writer = SummaryWriter(str(self.log_dir))
+        self._writer = None
+        self._purge_step: int | None = None
+
+    def resume_at(self, step: int) -> None:
+        """Training resumed after ``step``: points logged after it by the interrupted run are dropped."""
+        self._purge_step = step + 1
+
+    def _open(self):
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter  # lazy: pulls in tensorboard
+
+            self._writer = SummaryWriter(str(self.log_dir), purge_step=self._purge_step)
+        return self._writer
 
     def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
-        self._writer.add_scalar(name, float(value), global_step=step)
+        self._open().add_scalar(name, float(value), global_step=step)
 
     def flush(self) -> None:
-        self._writer.flush()
+        if self._writer is not None:
+            self._writer.flush()
 
     def close(self) -> None:
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()
 
 
 def read_scalars(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:

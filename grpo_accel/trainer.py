@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import signal
+import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -22,7 +25,8 @@ from tensordict import TensorDict, TensorDictBase
 
 from grpo_accel import batch as K
 from grpo_accel.buffer import ReplayBuffer
-from grpo_accel.distributed import configure_deepspeed
+from grpo_accel.checkpoint import Checkpoint, CheckpointError, RunCheckpointer, parameter_signature
+from grpo_accel.distributed import configure_deepspeed, zero_stage
 from grpo_accel.loss import distributed_normalizer
 
 logger = logging.getLogger(__name__)
@@ -30,11 +34,6 @@ logger = logging.getLogger(__name__)
 # Spec parameters whose behaviour lands with a later issue: setting them to anything but the default raises.
 _NOT_YET = {
     "optimization_stepper": None,
-    "save_trainer_interval": None,
-    "save_trainer_file": None,
-    "checkpoint": None,
-    "checkpoint_rotation": None,
-    "checkpoint_metadata": None,
     "async_collection": False,
 }
 
@@ -104,6 +103,12 @@ class GRPOTrainer:
         _require(weight_update_frequency == 1, "weight_update_frequency", weight_update_frequency,
                  "it only applies with async_collection=True (not implemented yet); sync mode pushes once per batch")
         _require(log_interval >= 1, "log_interval", log_interval, "frames between logs, >= 1")
+        _require(save_trainer_interval is None or save_trainer_interval >= 1, "save_trainer_interval",
+                 save_trainer_interval, "frames between saves: None (only at the end) or >= 1")
+        _require(save_trainer_interval is None or checkpoint is not None or save_trainer_file is not None,
+                 "save_trainer_interval", save_trainer_interval, "pass checkpoint= or save_trainer_file= to save")
+        _require(checkpoint_rotation is None or checkpoint is not None, "checkpoint_rotation", checkpoint_rotation,
+                 "rotation needs checkpoint=Checkpoint(directory)")
         if seed is not None:
             from accelerate.utils import set_seed
 
@@ -126,9 +131,15 @@ class GRPOTrainer:
         self._configure_deepspeed(loss_module)
         self.loss_module, self.optimizer = self.accelerator.prepare(loss_module, optimizer)
         self.device = torch.device(device) if device is not None else self.accelerator.device
+        self.checkpoint, self.save_trainer_interval = checkpoint, save_trainer_interval
+        self.save_trainer_file = Path(save_trainer_file) if save_trainer_file is not None else None
+        self._checkpointer = (RunCheckpointer(self.accelerator, checkpoint, checkpoint_rotation, checkpoint_metadata)
+                              if checkpoint is not None else None)
         self.frames = self.optim_steps = self.iterations = 0
         self.history: list[dict[str, float]] = []  # every logged scalar dict, in order
         self._stop_reason: str | None = None
+        self._signals = 0
+        self._saved_at = -1
         self._last_log_frames = -math.inf
         self._timings: dict[str, float] = defaultdict(float)
 
@@ -140,27 +151,40 @@ class GRPOTrainer:
         return self.accelerator.unwrap_model(self.loss_module)
 
     def train(self) -> None:
-        """Collect, optimise and push weights until ``total_frames`` completions or ``request_stop``."""
+        """Collect, optimise and push weights until ``total_frames`` completions or ``request_stop``.
+
+        With a ``checkpoint`` whose ``resume`` is set, training first continues from it. SIGTERM/SIGINT on
+        any process stop every process at the same loop boundary, after a checkpoint; a second signal exits.
+        """
+        if self.checkpoint is not None and (path := self.checkpoint.resume_path()) is not None:
+            self._resume(path)
         bar = self._progress()
-        for rollout in self.collector:
-            start = time.perf_counter()
-            self.frames += rollout.numel() * self.accelerator.num_processes * self.frame_skip
-            self.iterations += 1
-            self._store(rollout)
-            stats = self._optimise()
-            with self._timed("weight_sync"):
-                self._update_weights()
-            self._timings["iteration"] += time.perf_counter() - start
-            self._log(rollout, stats)
-            if bar is not None:
-                bar.update(min(bar.total - bar.n, rollout.numel() * self.accelerator.num_processes * self.frame_skip))
-                bar.set_postfix(reward=f"{float(rollout[K.REWARD].mean()):.3f}", step_s=f"{time.perf_counter() - start:.2f}")
-            if self._stop_reason is not None or self.frames >= self.total_frames:
-                break
+        with self._preemption_handlers():
+            for rollout in self.collector:
+                start = time.perf_counter()
+                frames = rollout.numel() * self.accelerator.num_processes * self.frame_skip
+                self.frames += frames
+                self.iterations += 1
+                self._store(rollout)
+                stats = self._optimise()
+                with self._timed("weight_sync"):
+                    self._update_weights()
+                self._timings["iteration"] += time.perf_counter() - start
+                self._log(rollout, stats)
+                if bar is not None:
+                    bar.update(min(bar.total - bar.n, frames))
+                    bar.set_postfix(reward=f"{float(rollout[K.REWARD].mean()):.3f}",
+                                    step_s=f"{time.perf_counter() - start:.2f}")
+                if self._save_due(frames):
+                    self.save_checkpoint("interval")
+                if self._should_stop():
+                    break
+            if self._stop_reason is not None:
+                logger.warning("training stopped early after %d frames: %s", self.frames, self._stop_reason)
+            if self._saved_at != self.iterations and self.iterations > 0:
+                self.save_checkpoint(self._stop_reason or "end of training")
         if bar is not None:
             bar.close()
-        if self._stop_reason is not None:
-            logger.warning("training stopped early after %d frames: %s", self.frames, self._stop_reason)
         if self.logger is not None and hasattr(self.logger, "flush"):
             self.logger.flush()
 
@@ -171,11 +195,120 @@ class GRPOTrainer:
         return getattr(self.unwrapped_loss, method)(sub_batch, **kwargs)
 
     def load_from_file(self, file: str | Path, **kwargs) -> "GRPOTrainer":
-        raise NotImplementedError("GRPOTrainer.load_from_file is not implemented yet (checkpointing issue).")
+        """Load a checkpoint folder (resume; ``strict=False`` tolerates a missing trainer state) or a
+        ``save_trainer_file`` torch payload (``weights_only=True``, ``mmap=True``, ``map_location="cpu"`` by
+        default, each overridable) into this trainer. Returns the trainer."""
+        path = Path(file)
+        if path.is_dir():
+            self._resume(path, strict=kwargs.get("strict", True))
+            return self
+        payload = torch.load(path, weights_only=kwargs.get("weights_only", True), mmap=kwargs.get("mmap", True),
+                             map_location=kwargs.get("map_location", "cpu"))
+        if zero_stage(self.accelerator) == 3:
+            raise CheckpointError(f"{path}: a single-file trainer payload cannot be loaded under ZeRO-3; resume "
+                                  "from a checkpoint folder instead (checkpoint.resume).")
+        missing, unexpected = self.unwrapped_loss.load_state_dict(payload["model"], strict=False)
+        if missing or unexpected:
+            raise CheckpointError(f"{path}: model weights do not fit (missing {missing[:5]}, unexpected {unexpected[:5]}).")
+        self.load_state_dict(payload["trainer"])
+        return self
+
+    def state_dict(self) -> dict:
+        """This process's trainer state: counters, replay buffer, collector position (and weight version)."""
+        collector = self.collector.state_dict() if hasattr(self.collector, "state_dict") else None
+        return {"frames": self.frames, "optim_steps": self.optim_steps, "iterations": self.iterations,
+                "last_log_frames": float(self._last_log_frames), "collector": collector,
+                "replay_buffer": self.replay_buffer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.frames, self.optim_steps, self.iterations = state["frames"], state["optim_steps"], state["iterations"]
+        self._last_log_frames = state["last_log_frames"]
+        if state["collector"] is not None:
+            self.collector.load_state_dict(state["collector"])
+        self.replay_buffer.load_state_dict(state["replay_buffer"])
+
+    def save_checkpoint(self, reason: str = "requested") -> Path | None:
+        """Save now (collective): the checkpoint folder, and ``save_trainer_file`` if set."""
+        if self.checkpoint is None and self.save_trainer_file is None:
+            return None
+        with self._timed("checkpoint"):
+            final = None
+            if self._checkpointer is not None:
+                info = {"reason": reason, "frames": self.frames, "optim_steps": self.optim_steps,
+                        "num_processes": self.accelerator.num_processes, "zero_stage": zero_stage(self.accelerator),
+                        "signature": self._signature(), "metrics": self.history[-1] if self.history else {}}
+                final = self._checkpointer.save(self.iterations, self.state_dict(), info, self._hf_assets())
+            if self.save_trainer_file is not None:
+                self._save_legacy_file()
+        self._saved_at = self.iterations
+        return final
 
     def request_stop(self, reason: str | None = None) -> None:
         """Stop at the next loop boundary (after the current optimisation loop and weight push)."""
         self._stop_reason = reason or "request_stop() called"
+
+    # ------------------------------------------------------------------------------- saving and stopping
+
+    def _resume(self, path: Path, strict: bool = True) -> None:
+        checkpointer = self._checkpointer or RunCheckpointer(self.accelerator, Checkpoint(Path(path).parent))
+        state = checkpointer.load(path, signature=self._signature(), strict=strict)
+        if state is not None:
+            self.load_state_dict(state)
+        self._saved_at = self.iterations
+        if self.logger is not None and hasattr(self.logger, "resume_at"):
+            self.logger.resume_at(self.iterations)
+        logger.info("resumed from %s at iteration %d (%d frames)", path, self.iterations, self.frames)
+
+    def _signature(self) -> str:
+        return parameter_signature([(name, tuple(getattr(p, "ds_shape", p.shape)))
+                                    for name, p in self.unwrapped_loss.named_parameters()])
+
+    def _hf_assets(self) -> list:
+        """What export needs besides weights: the policy's config and the tokenizer, when they exist."""
+        policy = getattr(self.unwrapped_loss, "policy", None)
+        return [a for a in (getattr(policy, "config", None), getattr(self.collector, "tokenizer", None))
+                if hasattr(a, "save_pretrained")]
+
+    def _save_legacy_file(self) -> None:
+        weights = self.accelerator.get_state_dict(self.loss_module)  # collective under ZeRO-3; full on rank 0
+        if self.accelerator.is_main_process:
+            tmp = self.save_trainer_file.with_name(self.save_trainer_file.name + ".tmp")
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"model": weights, "trainer": self.state_dict()}, tmp)
+            os.replace(tmp, self.save_trainer_file)
+
+    def _save_due(self, frames_this_batch: int) -> bool:
+        if self.save_trainer_interval is None:
+            return False
+        return self.frames // self.save_trainer_interval > (self.frames - frames_this_batch) // self.save_trainer_interval
+
+    def _should_stop(self) -> bool:
+        """Every process takes the same decision: one all-reduce of the stop flags per iteration."""
+        local = torch.tensor([float(self._stop_reason is not None)], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1 and bool(self.accelerator.reduce(local, reduction="sum")[0] > 0):
+            self._stop_reason = self._stop_reason or "another process requested a stop"
+        return self._stop_reason is not None or self.frames >= self.total_frames
+
+    @contextmanager
+    def _preemption_handlers(self):
+        """First SIGTERM/SIGINT: stop at the next loop boundary with a checkpoint. Second: exit at once."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, _frame):
+            self._signals += 1
+            if self._signals > 1:
+                os.write(2, f"second {signal.Signals(signum).name}: exiting without a checkpoint\n".encode())
+                os._exit(128 + signum)
+            self.request_stop(f"received {signal.Signals(signum).name}")
+
+        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
 
     # ----------------------------------------------------------------------------------------- the loop
 

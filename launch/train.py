@@ -4,7 +4,8 @@
         [--config launch/configs/default.yaml] [key=value ...]
 
 With no model named, this trains the built-in tiny Llama (random weights) on the built-in addition task.
-Outputs in ``output_dir``: config.yaml (resolved), tensorboard/ (event files), summary.json.
+Outputs in ``output_dir``: config.yaml (resolved), tensorboard/ (event files), checkpoints/, summary.json.
+``checkpoint.resume=auto`` continues from the newest complete checkpoint; SIGTERM/SIGINT checkpoint and exit 0.
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ def build_trainer(cfg: GRPOConfig):
     import torch
 
     from grpo_accel.build import build_rewards, build_rows, build_tokenizer_and_model
+    from grpo_accel.checkpoint import Checkpoint, CheckpointRotation
+    from grpo_accel.config import ConfigError, resume_conflicts
     from grpo_accel.distributed import gathered_parameters, preflight
     from grpo_accel.loss import GRPOLoss
     from grpo_accel.rollout.collector import GRPOCollector
@@ -42,6 +45,13 @@ def build_trainer(cfg: GRPOConfig):
     # Everything that can be checked without a process group is checked first.
     preflight()
     cfg.check_batch_layout(int(os.environ.get("WORLD_SIZE", "1")))
+    c = cfg.checkpoint
+    checkpoint = Checkpoint(Path(cfg.output_dir) / "checkpoints", resume=c.resume)
+    if (resume := checkpoint.resume_path()) is not None:
+        conflicts = resume_conflicts(Checkpoint.read_metadata(resume)["user"]["config"], to_dict(cfg))
+        if conflicts:
+            raise ConfigError(f"checkpoint {resume} was trained with other settings: {conflicts}; resume with the "
+                              "same settings, or start a new run in another output_dir.")
     rows, _held_out = build_rows(cfg.data)
     # Models are built before the Accelerator: under ZeRO-3 that keeps zero.Init out, so every stage starts
     # from the same weights (DeepSpeed partitions them in prepare()).
@@ -81,6 +91,9 @@ def build_trainer(cfg: GRPOConfig):
         logger=logger, clip_norm=o.clip_norm, progress_bar=t.progress_bar, seed=t.seed,
         log_interval=t.log_interval, num_epochs=t.num_epochs, log_timings=t.log_timings,
         log_rewards=t.log_rewards, log_kl=t.log_kl, accelerator=accelerator,
+        checkpoint=checkpoint, save_trainer_interval=c.interval_frames, save_trainer_file=c.legacy_file,
+        checkpoint_rotation=CheckpointRotation(c.keep_last, c.keep_best, c.best_metric, c.best_mode),
+        checkpoint_metadata=lambda: {"config": to_dict(cfg)},
     )
 
 
@@ -96,6 +109,8 @@ def summarize(trainer, wall_s: float) -> dict:
         "zero_stage": zero_stage(acc),
         "param_fraction_on_rank0": round(local_parameter_fraction(trainer.loss_module), 4),
         "iterations": len(trainer.history),
+        "final_iteration": trainer.iterations,
+        "stop_reason": trainer._stop_reason,
         "reward_first10_mean": sum(rewards[:k]) / max(k, 1),
         "reward_last10_mean": sum(rewards[-k:]) / max(k, 1),
         "wall_time_s": round(wall_s, 1),

@@ -6,48 +6,7 @@ import torch
 
 from grpo_accel import batch as K
 from grpo_accel.buffer import ReplayBuffer
-from grpo_accel.loss import GRPOLoss
-from grpo_accel.rewards import RewardSet, answer_match, format_match
-from grpo_accel.rollout.collector import GRPOCollector
-from grpo_accel.rollout.local import EmbeddedEngine, EmbeddedWeightSync
-from grpo_accel.tasks.addition import addition_rows
-from grpo_accel.trainer import GRPOTrainer
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    yield
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-class RecordingLoss(GRPOLoss):
-    """GRPOLoss that keeps every forward's diagnostics."""
-
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        self.calls = []
-
-    def forward(self, td, normalizer=None):
-        out = super().forward(td, normalizer)
-        self.calls.append({k: float(out[k].detach()) for k in out.keys()})
-        return out
-
-
-def make_trainer(tokenizer, model, *, prompts=4, group=4, lr=3e-3, loss_kwargs=None, **kw):
-    torch.manual_seed(0)
-    engine = EmbeddedEngine(model, tokenizer, max_new_tokens=4)
-    rewards = RewardSet({"answer_match": answer_match, "format_match": format_match}, {"format_match": 0.2})
-    collector = GRPOCollector(engine, tokenizer, addition_rows(4)[0], rewards, prompts_per_batch=prompts, group_size=group)
-    loss = RecordingLoss(model, **(loss_kwargs or {}))
-    args = dict(
-        collector=collector, total_frames=prompts * group * 3, loss_module=loss,
-        optimizer=torch.optim.AdamW(model.parameters(), lr=lr),
-        weight_sync_sender=EmbeddedWeightSync(engine), empty_replay_buffer_on_weight_update=True, seed=0,
-    ) | kw
-    return GRPOTrainer(**args)
+from trainer_utils import fresh_accelerate_state, make_trainer, reset_accelerate_state  # noqa: F401 (autouse fixture)
 
 
 def test_reward_rises_in_a_short_run(tokenizer, tiny_model):
@@ -88,10 +47,7 @@ def test_accumulation_two_by_four_equals_one_by_eight(tokenizer):
     from grpo_accel.tasks.tiny import build_tiny_model
 
     def final_weights(batch_size, ga):
-        from accelerate.state import AcceleratorState, GradientState
-
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+        reset_accelerate_state()
         model = build_tiny_model(tokenizer, seed=0)
         trainer = make_trainer(tokenizer, model, prompts=2, group=4, total_frames=8, batch_size=batch_size,
                                gradient_accumulation_steps=ga, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
@@ -189,18 +145,11 @@ def test_progress_bar_shows_frames(tokenizer, tiny_model, capsys):
 
 @pytest.mark.parametrize(
     "name, value",
-    [("optimization_stepper", object()), ("save_trainer_interval", 100), ("save_trainer_file", "x.pt"),
-     ("checkpoint", object()), ("checkpoint_rotation", object()), ("checkpoint_metadata", dict),
-     ("async_collection", True)],
+    [("optimization_stepper", object()), ("async_collection", True)],
 )
 def test_parameters_of_later_issues_raise_not_implemented(tokenizer, tiny_model, name, value):
     with pytest.raises(NotImplementedError, match=name):
         make_trainer(tokenizer, tiny_model, **{name: value})
-
-
-def test_load_from_file_is_not_silently_a_no_op(tokenizer, tiny_model):
-    with pytest.raises(NotImplementedError, match="load_from_file"):
-        make_trainer(tokenizer, tiny_model).load_from_file("x.pt")
 
 
 @pytest.mark.parametrize(
@@ -208,7 +157,9 @@ def test_load_from_file_is_not_silently_a_no_op(tokenizer, tiny_model):
     [({"optimizer": None}, "optimizer=None"), ({"loss_module": None}, "loss_module=None"),
      ({"total_frames": 0}, "total_frames=0"), ({"num_epochs": 0}, "num_epochs=0"),
      ({"weight_update_frequency": 3}, "weight_update_frequency=3"), ({"log_interval": 0}, "log_interval=0"),
-     ({"mixed_precision": True, "autocast_dtype": torch.float64}, "autocast_dtype")],
+     ({"mixed_precision": True, "autocast_dtype": torch.float64}, "autocast_dtype"),
+     ({"save_trainer_interval": 16}, "pass checkpoint= or save_trainer_file="),
+     ({"checkpoint_rotation": object()}, "rotation needs checkpoint=")],
 )
 def test_bad_trainer_arguments_name_the_parameter(tokenizer, tiny_model, kwargs, fragment):
     args = {"optimizer": torch.optim.AdamW(tiny_model.parameters())} | kwargs

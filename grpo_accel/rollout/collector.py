@@ -151,8 +151,11 @@ class GRPOCollector:
             yield self.collect()
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "batches": self.batches}
+        """Dataset position and the engine's weight version (what a resumed run needs to continue exactly)."""
+        return {"epoch": self.epoch, "position": self.position, "batches": self.batches,
+                "weight_version": self.engine.weight_version}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position, self.batches = state["epoch"], state["position"], state["batches"]
+        self.engine.weight_version = state["weight_version"]
         self._order = self._shuffled(self.epoch)

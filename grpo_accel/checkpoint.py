@@ -1,0 +1,260 @@
+"""Checkpoints that never lose a run: atomic folders, rotation that keeps the newest, verified resume.
+
+Layout of ``<directory>/step_00000042/`` (one folder per save, named by the trainer's iteration):
+
+    accelerate state        model / optimizer / RNG per rank / every rank's ZeRO shards (accelerator.save_state)
+    trainer_state_rank{r}.pt  counters, replay buffer, collector position of rank r
+    hf/                     the policy's transformers config and the tokenizer (for export)
+    metadata.json           step, frames, processes, ZeRO stage, parameter signature, user metadata, file manifest
+    COMPLETE                written last: a folder without it is never loaded
+
+Every rank writes into ``.tmp-step_00000042/``; once all have finished, rank 0 writes the manifest and the
+marker and renames the folder. A crash at any point leaves either the previous checkpoints untouched or a
+``.tmp-`` folder that is never loaded.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+MARKER = "COMPLETE"
+METADATA = "metadata.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; the message names the folder or file and what differs."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def parameter_signature(named_shapes: list[tuple[str, tuple[int, ...]]]) -> str:
+    """A digest of parameter names and full shapes: equal iff the model architecture is the same."""
+    text = "\n".join(f"{name}:{list(shape)}" for name, shape in sorted(named_shapes))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def file_manifest(folder: Path) -> dict[str, int]:
+    """Relative path -> size in bytes of every file under ``folder``."""
+    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@dataclass
+class CheckpointRotation:
+    """Which checkpoints to keep: the ``keep_last`` newest plus the ``keep_best`` best by ``metric``.
+
+    The newest complete checkpoint is never deleted, whatever the settings.
+
+    Example:
+        >>> CheckpointRotation(keep_last=2, keep_best=1, metric="train/reward_mean", mode="max")
+    """
+
+    keep_last: int = 3
+    keep_best: int = 0
+    metric: str = "train/reward_mean"
+    mode: str = "max"
+
+    def __post_init__(self) -> None:
+        if self.keep_last < 1:
+            raise ValueError(f"CheckpointRotation: keep_last={self.keep_last} must be >= 1 (the newest is always kept).")
+        if self.keep_best < 0 or self.mode not in ("max", "min"):
+            raise ValueError(f"CheckpointRotation: keep_best={self.keep_best} must be >= 0 and mode={self.mode!r} 'max' or 'min'.")
+
+    def to_delete(self, checkpoints: list[tuple[int, float | None]]) -> list[int]:
+        """Steps to delete from ``[(step, metric value or None), ...]``."""
+        steps = sorted(step for step, _ in checkpoints)
+        keep = set(steps[-self.keep_last :])
+        scored = [(value, step) for step, value in checkpoints if value is not None]
+        scored.sort(reverse=self.mode == "max")
+        keep.update(step for _, step in scored[: self.keep_best])
+        return [step for step in steps if step not in keep]
+
+
+class Checkpoint:
+    """The checkpoint folder of a run: listing, verification, and the two halves of an atomic save.
+
+    Args:
+        directory: where ``step_*`` folders live (e.g. ``<output_dir>/checkpoints``).
+        resume: ``None`` (start fresh), ``"auto"`` (newest complete checkpoint, fresh if none) or a path.
+
+    Example:
+        >>> ckpt = Checkpoint("runs/exp/checkpoints", resume="auto")
+        >>> trainer = GRPOTrainer(..., checkpoint=ckpt, save_trainer_interval=12_800)
+    """
+
+    def __init__(self, directory: str | Path, resume: str | Path | None = None) -> None:
+        self.directory = Path(directory)
+        self.resume = resume
+
+    def complete(self) -> list[Path]:
+        """Complete checkpoint folders, oldest first; folders without the marker are skipped with a warning."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for path in self.directory.iterdir():
+            match = _STEP_DIR.match(path.name)
+            if not (match and path.is_dir()):
+                continue
+            if (path / MARKER).is_file():
+                found.append((int(match.group(1)), path))
+            else:
+                logger.warning("skipping checkpoint %s: no %s marker (an interrupted save); it is never loaded", path, MARKER)
+        return [path for _, path in sorted(found)]
+
+    def resume_path(self) -> Path | None:
+        """The folder to resume from, per ``resume``; None to start fresh."""
+        if self.resume in (None, "", "none"):
+            return None
+        if self.resume == "auto":
+            found = self.complete()
+            return found[-1] if found else None
+        path = Path(self.resume)
+        if not (path / MARKER).is_file():
+            why = "does not exist" if not path.exists() else f"has no {MARKER} marker (an interrupted save)"
+            raise CheckpointError(f"checkpoint.resume={str(path)!r} {why}; complete checkpoints here: "
+                                  f"{[p.name for p in self.complete()] or 'none'}.")
+        return path
+
+    # -- verification -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def read_metadata(path: Path) -> dict:
+        try:
+            return json.loads((Path(path) / METADATA).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"checkpoint {path}: {METADATA} is missing or unreadable ({exc}).") from exc
+
+    @classmethod
+    def verify(cls, path: Path, *, num_processes: int, zero_stage: int, signature: str) -> dict:
+        """Metadata of ``path`` after checking every file is present and whole, and the run matches."""
+        path = Path(path)
+        meta = cls.read_metadata(path)
+        for name, size in meta.get("manifest", {}).items():
+            file = path / name
+            if not file.is_file():
+                raise CheckpointError(f"checkpoint {path}: file {name} is missing (a lost shard?); resume from another "
+                                      "checkpoint. Nothing was changed.")
+            if file.stat().st_size != size:
+                raise CheckpointError(f"checkpoint {path}: file {name} has {file.stat().st_size} bytes, {size} were "
+                                      "written (truncated or corrupted); resume from another checkpoint.")
+        if meta["num_processes"] != num_processes:
+            raise CheckpointError(
+                f"checkpoint {path} was written by {meta['num_processes']} processes, this run has {num_processes}. "
+                f"Resume with {meta['num_processes']} processes, or export it (python -m grpo_accel.export {path} "
+                "OUT) and start a new run from OUT with model.name_or_path=OUT."
+            )
+        if meta["zero_stage"] != zero_stage:
+            raise CheckpointError(f"checkpoint {path} is from ZeRO stage {meta['zero_stage']}, this run uses stage "
+                                  f"{zero_stage}; resume with the same accelerate config, or export and restart.")
+        if meta["signature"] != signature:
+            raise CheckpointError(f"checkpoint {path} holds another model (parameter names/shapes differ: signature "
+                                  f"{meta['signature']} vs {signature} here); check model.* settings and output_dir.")
+        return meta
+
+    # -- saving (the trainer calls these on the right ranks) ----------------------------------------------
+
+    def staging_dir(self, step: int) -> Path:
+        return self.directory / f".tmp-{step_dir_name(step)}"
+
+    def finalize(self, step: int, metadata: dict) -> Path:
+        """Rank 0, after every rank wrote into the staging folder: manifest, marker, rename."""
+        staging, final = self.staging_dir(step), self.directory / step_dir_name(step)
+        metadata = {**metadata, "manifest": file_manifest(staging)}
+        (staging / METADATA).write_text(json.dumps(metadata, indent=2))
+        with open(staging / MARKER, "w") as f:
+            f.write("ok\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():  # a previous run's folder for the same step (e.g. after a resume from an older one)
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        return final
+
+    def rotate(self, rotation: CheckpointRotation) -> list[Path]:
+        """Delete what ``rotation`` does not keep; returns the deleted folders."""
+        entries = []
+        for path in self.complete():
+            meta = self.read_metadata(path)
+            entries.append((meta["step"], meta.get("metrics", {}).get(rotation.metric)))
+        deleted = []
+        for step in rotation.to_delete(entries):
+            path = self.directory / step_dir_name(step)
+            shutil.rmtree(path, ignore_errors=True)
+            deleted.append(path)
+        return deleted
+
+
+class RunCheckpointer:
+    """Saves and restores a run through an ``accelerate.Accelerator``; every method is collective.
+
+    Args:
+        accelerator: the run's Accelerator (its ``save_state`` / ``load_state`` carry model, optimizer, RNG
+            and ZeRO shards).
+        checkpoint: the run's :class:`Checkpoint` folder.
+        rotation: what to keep after each save (None keeps everything).
+        metadata: callable returning extra JSON-serialisable metadata (the spec's ``checkpoint_metadata``).
+    """
+
+    def __init__(self, accelerator, checkpoint: Checkpoint, rotation: CheckpointRotation | None = None,
+                 metadata=None) -> None:
+        self.accelerator, self.checkpoint, self.rotation, self.metadata = accelerator, checkpoint, rotation, metadata
+
+    def save(self, step: int, rank_state: dict, info: dict, hf_assets: list) -> Path:
+        """Write ``step``: accelerate state, this rank's ``rank_state``, and (rank 0) ``hf_assets`` (objects with
+        ``save_pretrained``) plus metadata ``info``; returns the final folder."""
+        import time
+
+        import torch
+
+        start = time.perf_counter()
+        acc, staging = self.accelerator, self.checkpoint.staging_dir(step)
+        if acc.is_main_process and staging.exists():
+            shutil.rmtree(staging)
+        acc.wait_for_everyone()
+        acc.save_state(str(staging))
+        torch.save(rank_state, staging / f"trainer_state_rank{acc.process_index}.pt")
+        acc.wait_for_everyone()
+        final = self.checkpoint.directory / step_dir_name(step)
+        if acc.is_main_process:
+            for asset in hf_assets:
+                asset.save_pretrained(staging / "hf")
+            extra = self.metadata() if self.metadata is not None else {}
+            final = self.checkpoint.finalize(step, {**info, "step": step, "user": extra})
+            deleted = self.checkpoint.rotate(self.rotation) if self.rotation is not None else []
+            size = sum(file_manifest(final).values())
+            logger.info("checkpoint %s saved (%s) in %.2f s, %.1f MB%s", final, info.get("reason"),
+                        time.perf_counter() - start, size / 1e6,
+                        f"; rotated out {[p.name for p in deleted]}" if deleted else "")
+        acc.wait_for_everyone()
+        return final
+
+    def load(self, path: Path, *, signature: str, strict: bool = True) -> dict | None:
+        """Verify ``path`` against this run, load accelerate state, return this rank's trainer state."""
+        import time
+
+        import torch
+
+        from grpo_accel.distributed import zero_stage
+
+        start = time.perf_counter()
+        acc = self.accelerator
+        Checkpoint.verify(path, num_processes=acc.num_processes, zero_stage=zero_stage(acc), signature=signature)
+        rank_file = Path(path) / f"trainer_state_rank{acc.process_index}.pt"
+        try:
+            acc.load_state(str(path))
+            state = torch.load(rank_file, weights_only=True) if rank_file.is_file() or strict else None
+        except Exception as exc:
+            raise CheckpointError(f"checkpoint {path} could not be loaded ({type(exc).__name__}: {exc}); resume "
+                                  "from another checkpoint. Nothing in the run folder was changed.") from exc
+        logger.info("checkpoint %s loaded in %.2f s", path, time.perf_counter() - start)
+        return state

@@ -1,0 +1,132 @@
+"""Checkpoints in one process: atomicity, rotation, verified and exact resume, legacy files, export."""
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+
+from grpo_accel.checkpoint import MARKER, Checkpoint, CheckpointError, CheckpointRotation, file_manifest
+from grpo_accel.export import export_checkpoint
+from grpo_accel.tasks.tiny import TinyModelSpec, build_tiny_model
+from trainer_utils import fresh_accelerate_state, make_trainer, reset_accelerate_state  # noqa: F401
+
+FRAMES = 16  # one batch of 4 prompts x 4 completions
+
+
+def weights(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def run(tokenizer, tmp_path, total_batches, resume=None, spec=None, **kw):
+    reset_accelerate_state()
+    model = build_tiny_model(tokenizer, spec, seed=0)
+    trainer = make_trainer(tokenizer, model, total_frames=FRAMES * total_batches,
+                           checkpoint=Checkpoint(tmp_path / "ckpt", resume=resume), **kw)
+    trainer.train()
+    return trainer, model
+
+
+def test_rotation_keeps_newest_last_n_and_best():
+    rot = CheckpointRotation(keep_last=2, keep_best=1, metric="r", mode="max")
+    assert rot.to_delete([(1, 0.9), (2, 0.1), (3, 0.2), (4, 0.3)]) == [2]  # keeps 3, 4 (last) and 1 (best)
+    assert CheckpointRotation(keep_last=1).to_delete([(5, None), (7, None), (6, None)]) == [5, 6]
+    assert CheckpointRotation(keep_last=1, keep_best=1, mode="min").to_delete([(1, 0.5), (2, 0.9)]) == []
+    with pytest.raises(ValueError, match="keep_last=0"):
+        CheckpointRotation(keep_last=0)
+
+
+def test_stop_and_resume_equals_a_straight_run(tokenizer, tmp_path):
+    straight, straight_model = run(tokenizer, tmp_path / "a", 6)
+    first, _ = run(tokenizer, tmp_path / "b", 3)
+    assert [p.name for p in Checkpoint(tmp_path / "b" / "ckpt").complete()] == ["step_00000003"]
+    resumed, resumed_model = run(tokenizer, tmp_path / "b", 6, resume="auto")
+    assert resumed.iterations == 6 and resumed.frames == 6 * FRAMES and resumed.optim_steps == 6
+    assert first.history + resumed.history == straight.history  # bitwise: every logged scalar of every step
+    assert torch.equal(weights(resumed_model), weights(straight_model))
+
+
+def test_interval_saves_rotate_to_keep_last(tokenizer, tmp_path):
+    trainer, _ = run(tokenizer, tmp_path, 7, save_trainer_interval=2 * FRAMES,
+                     checkpoint_rotation=CheckpointRotation(keep_last=2),
+                     checkpoint_metadata=lambda: {"note": "hello"})
+    done = Checkpoint(tmp_path / "ckpt").complete()
+    assert [p.name for p in done] == ["step_00000006", "step_00000007"]  # saved at 2, 4, 6 and the end (7)
+    meta = json.loads((done[-1] / "metadata.json").read_text())
+    assert meta["user"] == {"note": "hello"} and meta["reason"] == "end of training" and meta["frames"] == 7 * FRAMES
+    assert meta["step"] == 7 and meta["metrics"]["train/frames"] == 7 * FRAMES
+    assert (done[-1] / "hf" / "config.json").is_file() and (done[-1] / "hf" / "tokenizer.json").is_file()
+    assert not list((tmp_path / "ckpt").glob(".tmp-*"))
+
+
+def test_half_written_checkpoint_is_skipped_with_a_warning(tokenizer, tmp_path, caplog):
+    run(tokenizer, tmp_path, 2)
+    ckpt = Checkpoint(tmp_path / "ckpt", resume="auto")
+    half = tmp_path / "ckpt" / "step_00000009"
+    shutil.copytree(tmp_path / "ckpt" / "step_00000002", half)
+    (half / MARKER).unlink()
+    with caplog.at_level(logging.WARNING):
+        assert ckpt.resume_path().name == "step_00000002"
+    assert "skipping checkpoint" in caplog.text and "step_00000009" in caplog.text
+    with pytest.raises(CheckpointError, match="has no COMPLETE marker"):
+        Checkpoint(tmp_path / "ckpt", resume=str(half)).resume_path()
+    with pytest.raises(CheckpointError, match="does not exist"):
+        Checkpoint(tmp_path / "ckpt", resume=str(tmp_path / "nope")).resume_path()
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda p: (p / "trainer_state_rank0.pt").write_bytes(b"x"), "trainer_state_rank0.pt has 1 bytes"),
+    (lambda p: (p / "random_states_0.pkl").unlink(), "file random_states_0.pkl is missing"),
+    (lambda p: (p / "model.safetensors").write_bytes(b"\0" * (p / "model.safetensors").stat().st_size),
+     "could not be loaded"),
+])
+def test_failed_resume_names_the_file_and_deletes_nothing(tokenizer, tmp_path, damage, message):
+    run(tokenizer, tmp_path, 2)
+    folder = tmp_path / "ckpt" / "step_00000002"
+    damage(folder)
+    before = file_manifest(tmp_path)
+    with pytest.raises(CheckpointError, match=message):
+        run(tokenizer, tmp_path, 4, resume="auto")
+    assert file_manifest(tmp_path) == before
+
+
+def test_checkpoint_of_another_model_is_refused(tokenizer, tmp_path):
+    run(tokenizer, tmp_path, 1)
+    with pytest.raises(CheckpointError, match="holds another model"):
+        run(tokenizer, tmp_path, 2, resume="auto", spec=TinyModelSpec(hidden_size=32))
+
+
+def test_legacy_file_round_trip_with_load_from_file(tokenizer, tmp_path):
+    legacy = tmp_path / "trainer.pt"
+    trainer, model = run(tokenizer, tmp_path, 2, save_trainer_file=legacy, save_trainer_interval=FRAMES)
+    reset_accelerate_state()
+    fresh_model = build_tiny_model(tokenizer, seed=1)
+    fresh = make_trainer(tokenizer, fresh_model, total_frames=FRAMES * 4)
+    assert fresh.load_from_file(legacy) is fresh  # weights_only=True and mmap=True by default
+    assert torch.equal(weights(fresh_model), weights(model))
+    assert (fresh.frames, fresh.iterations, fresh.collector.batches) == (2 * FRAMES, 2, 2)
+    with pytest.raises(Exception, match="Weights only load failed|Unsupported global"):
+        torch.save({"model": {}, "trainer": object()}, tmp_path / "evil.pt")
+        fresh.load_from_file(tmp_path / "evil.pt")
+
+
+def test_load_from_file_accepts_a_checkpoint_folder(tokenizer, tmp_path):
+    _, model = run(tokenizer, tmp_path, 2)
+    reset_accelerate_state()
+    other = build_tiny_model(tokenizer, seed=5)
+    trainer = make_trainer(tokenizer, other, total_frames=FRAMES * 4)
+    trainer.load_from_file(tmp_path / "ckpt" / "step_00000002")
+    assert torch.equal(weights(other), weights(model)) and trainer.iterations == 2
+
+
+def test_export_round_trips_logits(tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, model = run(tokenizer, tmp_path, 2)
+    out = export_checkpoint(tmp_path / "ckpt" / "step_00000002", tmp_path / "hf")
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.tensor([tokenizer("12+3=4")["input_ids"]])
+    torch.testing.assert_close(exported(ids).logits, model(ids).logits, rtol=0, atol=0)
+    assert AutoTokenizer.from_pretrained(out)("1+1=")["input_ids"] == tokenizer("1+1=")["input_ids"]
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        export_checkpoint(tmp_path, tmp_path / "x")

@@ -1,0 +1,108 @@
+"""Resume and preemption for real: ``accelerate launch`` runs stopped, signalled and resumed."""
+import json
+
+import pytest
+import torch
+
+from grpo_accel.checkpoint import Checkpoint, file_manifest
+from grpo_accel.export import checkpoint_state_dict, policy_weights
+from launching import launch
+
+BASE = ["trainer.progress_bar=false", "trainer.micro_batch_completions=64", "checkpoint.interval_frames=null"]
+BATCH = 128  # frames per collected batch (16 prompts x 8)
+
+
+def signal_rewards(flag, signals=1):
+    return ("rewards=[{name: answer_match}, {name: format_match, weight: 0.2}, {name: 'tests.preempt_reward:signal_once',"
+            f" weight: 0.0, kwargs: {{at_call: 3, rank: 1, signals: {signals}, flag: '{flag}'}}}}]")
+
+
+def curves(out):
+    from grpo_accel.tracking import read_scalars
+
+    scalars = read_scalars(out / "tensorboard")
+    return {tag: scalars[tag] for tag in ("train/loss", "train/reward_mean", "train/entropy", "train/grad_norm")}
+
+
+def final_policy(out):
+    last = Checkpoint(out / "checkpoints").complete()[-1]
+    return policy_weights(checkpoint_state_dict(last))
+
+
+@pytest.mark.parametrize("config", ["zero2.yaml", "zero3.yaml"])
+def test_stop_and_resume_equals_a_straight_run(tmp_path, config):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    launch(config, [f"output_dir={straight}", f"trainer.total_frames={6 * BATCH}", *BASE])
+    launch(config, [f"output_dir={split}", f"trainer.total_frames={3 * BATCH}", *BASE])
+    proc = launch(config, [f"output_dir={split}", f"trainer.total_frames={6 * BATCH}", "checkpoint.resume=auto", *BASE])
+    assert "resumed from" in proc.stderr and "at iteration 3" in proc.stderr
+    assert curves(split) == curves(straight)  # steps 1-6, bitwise; steps 4-6 come from the resumed run
+    a, b = final_policy(straight), final_policy(split)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigterm_on_one_rank_checkpoints_every_rank_and_exits_zero(tmp_path):
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    rewards = signal_rewards(tmp_path / "fired")
+    (tmp_path / "never").touch()
+    launch("zero2.yaml", [f"output_dir={straight}", f"trainer.total_frames={6 * BATCH}", *BASE,
+                          signal_rewards(tmp_path / "never")])
+    proc = launch("zero2.yaml", [f"output_dir={run}", f"trainer.total_frames={6 * BATCH}", *BASE, rewards])
+    assert proc.returncode == 0 and (tmp_path / "fired").exists()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["final_iteration"] == 3 and "another process requested a stop" in summary["stop_reason"]
+    last = Checkpoint(run / "checkpoints").complete()[-1]
+    assert last.name == "step_00000003"
+    assert json.loads((last / "metadata.json").read_text())["reason"] == "another process requested a stop"
+    assert (last / "trainer_state_rank0.pt").is_file() and (last / "trainer_state_rank1.pt").is_file()
+    launch("zero2.yaml", [f"output_dir={run}", f"trainer.total_frames={6 * BATCH}", *BASE, rewards,
+                          "checkpoint.resume=auto"])
+    assert curves(run) == curves(straight)
+
+
+def test_second_signal_exits_at_once_and_keeps_earlier_checkpoints(tmp_path):
+    run = tmp_path / "run"
+    base = [f"output_dir={run}", *BASE]
+    rewards = signal_rewards(tmp_path / "f1", signals=2)  # fires on the 3rd batch of a process: not in run 1
+    launch("zero2.yaml", [*base, f"trainer.total_frames={2 * BATCH}", rewards])
+    before = file_manifest(run / "checkpoints")
+    proc = launch("zero2.yaml", [*base, f"trainer.total_frames={6 * BATCH}", "checkpoint.resume=auto", rewards],
+                  expect_ok=False)
+    assert proc.returncode != 0 and "second SIGTERM: exiting without a checkpoint" in proc.stderr
+    assert file_manifest(run / "checkpoints") == before  # nothing new, nothing lost
+
+
+def test_resume_with_another_process_count_says_how(tmp_path):
+    run = tmp_path / "run"
+    launch("zero2.yaml", [f"output_dir={run}", f"trainer.total_frames={BATCH}", *BASE])
+    before = file_manifest(run)
+    proc = launch("zero2.yaml", [f"output_dir={run}", f"trainer.total_frames={2 * BATCH}", *BASE,
+                                 "checkpoint.resume=auto"], launcher_args=["--num_processes", "1"], expect_ok=False)
+    assert "was written by 2 processes, this run has 1" in proc.stderr and "grpo_accel.export" in proc.stderr
+    assert file_manifest(run) == before
+
+
+def test_resume_with_other_settings_names_them(tmp_path):
+    run = tmp_path / "run"
+    launch("single_process.yaml", [f"output_dir={run}", f"trainer.total_frames={BATCH}", *BASE])
+    proc = launch("single_process.yaml", [f"output_dir={run}", f"trainer.total_frames={2 * BATCH}", *BASE,
+                                          "checkpoint.resume=auto", "rollout.group_size=4", "model.hidden_size=32"],
+                  expect_ok=False)
+    assert "was trained with other settings" in proc.stderr
+    assert "model.hidden_size: 64 -> 32" in proc.stderr and "rollout.group_size: 8 -> 4" in proc.stderr
+
+
+def test_zero3_export_matches_the_single_process_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from grpo_accel.export import export_checkpoint
+
+    single, z3 = tmp_path / "single", tmp_path / "z3"
+    launch("single_process.yaml", [f"output_dir={single}", f"trainer.total_frames={3 * BATCH}", *BASE,
+                                   "trainer.micro_batch_completions=128"])  # the same global batch as 2 x 64
+    launch("zero3.yaml", [f"output_dir={z3}", f"trainer.total_frames={3 * BATCH}", *BASE])
+    exported = [AutoModelForCausalLM.from_pretrained(export_checkpoint(
+        Checkpoint(run / "checkpoints").complete()[-1], tmp_path / f"hf_{run.name}")) for run in (single, z3)]
+    ids = torch.tensor([[7, 14, 8, 17, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(exported[1](ids).logits, exported[0](ids).logits, rtol=1e-5, atol=1e-5)

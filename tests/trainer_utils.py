@@ -1,0 +1,52 @@
+"""An in-process GRPOTrainer on the built-in tiny model and task, for tests."""
+import pytest
+import torch
+
+from grpo_accel.loss import GRPOLoss
+from grpo_accel.rewards import RewardSet, answer_match, format_match
+from grpo_accel.rollout.collector import GRPOCollector
+from grpo_accel.rollout.local import EmbeddedEngine, EmbeddedWeightSync
+from grpo_accel.tasks.addition import addition_rows
+from grpo_accel.trainer import GRPOTrainer
+
+
+def reset_accelerate_state():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    yield
+    reset_accelerate_state()
+
+
+class RecordingLoss(GRPOLoss):
+    """GRPOLoss that keeps every forward's diagnostics."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.calls = []
+
+    def forward(self, td, normalizer=None):
+        out = super().forward(td, normalizer)
+        self.calls.append({k: float(out[k].detach()) for k in out.keys()})
+        return out
+
+
+def make_trainer(tokenizer, model, *, prompts=4, group=4, lr=3e-3, loss_kwargs=None, **kw):
+    torch.manual_seed(0)
+    engine = EmbeddedEngine(model, tokenizer, max_new_tokens=4)
+    rewards = RewardSet({"answer_match": answer_match, "format_match": format_match}, {"format_match": 0.2})
+    collector = GRPOCollector(engine, tokenizer, addition_rows(4)[0], rewards, prompts_per_batch=prompts, group_size=group)
+    loss = RecordingLoss(model, **(loss_kwargs or {}))
+    args = dict(
+        collector=collector, total_frames=prompts * group * 3, loss_module=loss,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=lr),
+        weight_sync_sender=EmbeddedWeightSync(engine), empty_replay_buffer_on_weight_update=True, seed=0,
+    ) | kw
+    return GRPOTrainer(**args)
+
+
