@@ -34,8 +34,12 @@ def build_rows(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
         from grpo_accel.tasks.addition import addition_rows
 
         train, held_out = addition_rows(cfg.max_operand, cfg.holdout)
-        return validate_rows(train, "prompt", "built-in addition task"), held_out
-    return validate_rows(load_rows(cfg.path), cfg.prompt_field, f"data.path={cfg.path!r}"), []
+        train = validate_rows(train, "prompt", "built-in addition task")
+    else:
+        train, held_out = validate_rows(load_rows(cfg.path), cfg.prompt_field, f"data.path={cfg.path!r}"), []
+    if cfg.eval_path is not None:
+        held_out = validate_rows(load_rows(cfg.eval_path), cfg.prompt_field, f"data.eval_path={cfg.eval_path!r}")
+    return train, held_out
 
 
 def resolve_reward(name: str):

@@ -49,6 +49,23 @@ def file_manifest(folder: Path) -> dict[str, int]:
     return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+def save_trainer_payload(path: Path, weights: dict, trainer_state: dict) -> None:
+    """The single-file format (the spec's ``save_trainer_file``), written atomically."""
+    import torch
+
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": weights, "trainer": trainer_state}, tmp)
+    os.replace(tmp, path)
+
+
+def load_trainer_payload(path: Path, weights_only: bool = True, mmap: bool = True, map_location="cpu", **_) -> dict:
+    """Read a single-file payload: ``weights_only`` and ``mmap`` on by default, tensors mapped to CPU."""
+    import torch
+
+    return torch.load(path, weights_only=weights_only, mmap=mmap, map_location=map_location)
+
+
 @dataclass
 class CheckpointRotation:
     """Which checkpoints to keep: the ``keep_last`` newest plus the ``keep_best`` best by ``metric``.

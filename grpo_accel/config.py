@@ -14,7 +14,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
@@ -26,6 +26,10 @@ class ConfigError(ValueError):
 def _check(ok: bool, key: str, value: Any, fix: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r}: {fix}")
+
+
+def _choice(key: str, value: Any, options: tuple) -> None:
+    _check(value in options, key, value, f"must be one of {list(options)}.")
 
 
 @dataclass
@@ -40,7 +44,7 @@ class ModelConfig:
     """Built-in model only: attention heads (must divide hidden_size)."""
     intermediate_size: int = 128
     """Built-in model only: MLP width."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: str = "float32"
     """Dtype the weights are loaded in (mixed precision is trainer.mixed_precision)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward instead of storing them (less memory, ~30% more compute)."""
@@ -50,6 +54,7 @@ class ModelConfig:
             _check(getattr(self, key) > 0, f"model.{key}", getattr(self, key), "must be a positive integer.")
         _check(self.hidden_size % self.num_heads == 0, "model.num_heads", self.num_heads,
                f"must divide model.hidden_size={self.hidden_size}.")
+        _choice("model.dtype", self.dtype, ("float32", "bfloat16"))
 
 
 @dataclass
@@ -58,6 +63,8 @@ class DataConfig:
     """JSONL or Parquet file of prompt rows; None uses the built-in addition task."""
     prompt_field: str = "prompt"
     """Column holding the prompt text; every other column is passed to the reward functions."""
+    eval_path: str | None = None
+    """JSONL or Parquet file of held-out rows for evaluation (the built-in task uses holdout instead)."""
     max_operand: int = 4
     """Built-in task only: operands are 0..max_operand."""
     holdout: int = 0
@@ -71,7 +78,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: Literal["embedded"] = "embedded"
+    backend: str = "embedded"
     """Inference engine: "embedded" (transformers generate in the trainer process)."""
     prompts_per_step: int = 16
     """Prompts per collected batch, over all processes."""
@@ -87,11 +94,16 @@ class RolloutConfig:
     """Nucleus sampling (1.0 = off). Filters bias the importance ratio: engine logprobs are pre-filter."""
     top_k: int = 0
     """Top-k sampling (0 = off). Same caveat as top_p."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards all tie and sample more prompts to refill the batch (DAPO)."""
+    max_extra_rounds: int = 4
+    """Dynamic sampling: extra generation rounds per batch at most; tied groups fill what is still missing."""
     zero3_gather_full: bool = False
     """ZeRO-3 only: gather the whole policy once around generation (every rank then holds the full model)
     instead of DeepSpeed fetching each module's shards at every decoding step (memory bounded by a module)."""
 
     def __post_init__(self) -> None:
+        _choice("rollout.backend", self.backend, ("embedded",))
         _check(self.group_size >= 2, "rollout.group_size", self.group_size,
                "GRPO compares completions within a group, so it needs at least 2 (8-16 is common).")
         _check(self.prompts_per_step >= 1, "rollout.prompts_per_step", self.prompts_per_step, "must be >= 1.")
@@ -100,6 +112,7 @@ class RolloutConfig:
         _check(self.temperature > 0, "rollout.temperature", self.temperature, "must be > 0 (GRPO samples).")
         _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]; 1.0 turns it off.")
         _check(self.top_k >= 0, "rollout.top_k", self.top_k, "must be >= 0; 0 turns it off.")
+        _check(self.max_extra_rounds >= 0, "rollout.max_extra_rounds", self.max_extra_rounds, "must be >= 0.")
 
     @property
     def completions_per_step(self) -> int:
@@ -114,11 +127,11 @@ class LossConfig:
     """Upper PPO clip (DAPO's clip-higher): ratio <= 1 + clip_eps_high."""
     kl_coef: float = 0.0
     """KL-to-reference weight; 0 builds no reference model and runs no reference forward."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: str = "k3"
     """KL estimator (k3 is the GRPO paper's)."""
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    aggregation: str = "token_mean"
     """token_mean (DAPO), seq_mean_token_mean (GRPO), seq_mean_token_sum_norm (Dr. GRPO, / max_new_tokens)."""
-    importance_level: Literal["token", "sequence"] = "token"
+    importance_level: str = "token"
     """token: per-token ratio (GRPO); sequence: length-normalised sequence ratio (GSPO)."""
     tis_cap: float | None = None
     """Truncated importance sampling against the engine's logprobs: weight min(pi_old/pi_engine, cap); None = off."""
@@ -132,6 +145,9 @@ class LossConfig:
         _check(self.clip_eps_high > 0, "loss.clip_eps_high", self.clip_eps_high, "must be > 0 (e.g. 0.28).")
         _check(self.kl_coef >= 0, "loss.kl_coef", self.kl_coef, "must be >= 0 (0 turns the KL term off).")
         _check(self.tis_cap is None or self.tis_cap >= 1, "loss.tis_cap", self.tis_cap, "use null (off) or >= 1.")
+        _choice("loss.kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
+        _choice("loss.aggregation", self.aggregation, ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"))
+        _choice("loss.importance_level", self.importance_level, ("token", "sequence"))
 
 
 @dataclass
@@ -172,8 +188,14 @@ class GRPOTrainerConfig:
     """Micro-batches drawn per batch and epoch; null = the whole buffer once per epoch."""
     empty_replay_buffer_on_weight_update: bool = True
     """Empty the replay buffer after each weight push (synchronous, on-policy GRPO)."""
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
-    """Autocast dtype for forward/backward."""
+    mixed_precision: str = "no"
+    """Autocast for forward/backward: no | bf16 | fp16 (fp16 adds a gradient scaler)."""
+    async_collection: bool = False
+    """Generate the next batches in a background thread while optimising (the engine gets its own weights copy)."""
+    max_staleness: int | None = 1
+    """Async: drop batches generated with weights more than this many pushes old (null: keep all)."""
+    weight_update_frequency: int = 1
+    """Async: optimizer steps between weight pushes to the engine (sync pushes once per batch)."""
     seed: int = 0
     log_interval: int = 1
     """Frames between logs (1: every collected batch)."""
@@ -184,8 +206,26 @@ class GRPOTrainerConfig:
     log_kl: bool = True
 
     def __post_init__(self) -> None:
-        for key in ("total_frames", "num_epochs", "micro_batch_completions", "gradient_accumulation_steps", "log_interval"):
+        for key in ("total_frames", "num_epochs", "micro_batch_completions", "gradient_accumulation_steps",
+                    "log_interval", "weight_update_frequency"):
             _check(getattr(self, key) >= 1, f"trainer.{key}", getattr(self, key), "must be >= 1.")
+        _choice("trainer.mixed_precision", self.mixed_precision, ("no", "bf16", "fp16"))
+        _check(self.max_staleness is None or self.max_staleness >= 0, "trainer.max_staleness", self.max_staleness,
+               "must be null (keep every batch) or >= 0.")
+
+
+@dataclass
+class EvalConfig:
+    every_iterations: int = 0
+    """Evaluate every this many iterations on the held-out rows; 0 turns evaluation off."""
+    k: int = 4
+    """Samples per prompt for pass@k."""
+    success_threshold: float = 1.0
+    """A sample passes when a reward function's value reaches this."""
+
+    def __post_init__(self) -> None:
+        _check(self.every_iterations >= 0, "eval.every_iterations", self.every_iterations, "must be >= 0 (0: off).")
+        _check(self.k >= 1, "eval.k", self.k, "must be >= 1.")
 
 
 @dataclass
@@ -199,7 +239,7 @@ class CheckpointConfig:
     keep_best: int = 0
     """Additionally keep this many best checkpoints by best_metric."""
     best_metric: str = "train/reward_mean"
-    best_mode: Literal["max", "min"] = "max"
+    best_mode: str = "max"
     legacy_file: str | None = None
     """Also write a single-file torch payload here (the spec's save_trainer_file; read by load_from_file)."""
 
@@ -208,6 +248,7 @@ class CheckpointConfig:
                self.interval_frames, "must be null or >= 1.")
         _check(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "must be >= 1 (the newest is always kept).")
         _check(self.keep_best >= 0, "checkpoint.keep_best", self.keep_best, "must be >= 0.")
+        _choice("checkpoint.best_mode", self.best_mode, ("max", "min"))
 
 
 # Settings a resumed run must share with its checkpoint (anything else, e.g. total_frames, may change).
@@ -246,6 +287,7 @@ class GRPOConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: GRPOTrainerConfig = field(default_factory=GRPOTrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         _check(bool(self.rewards), "rewards", self.rewards, "list at least one reward function.")
@@ -270,10 +312,12 @@ class GRPOConfig:
         t, r = self.trainer, self.rollout
         per_process = r.prompts_per_step // num_processes * r.group_size
         micro = t.optim_steps_per_batch or per_process // t.micro_batch_completions
+        per_optim_step = t.micro_batch_completions * t.gradient_accumulation_steps * num_processes
         return (
             f"batch layout: {r.prompts_per_step} prompts x {r.group_size} = {r.completions_per_step} completions "
             f"per step; {per_process} per process in {micro} micro-batches of {t.micro_batch_completions}; "
-            f"{t.gradient_accumulation_steps} micro-batches per optimizer step -> "
+            f"{t.gradient_accumulation_steps} micro-batches per optimizer step = {per_optim_step} completions per "
+            f"optimizer step over {num_processes} processes -> "
             f"{t.num_epochs * micro // t.gradient_accumulation_steps} optimizer steps per collected batch"
         )
 
@@ -337,9 +381,6 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(value, inner[0], key)
-    if origin is Literal:
-        _check(value in args, key, value, f"must be one of {list(args)}.")
-        return value
     if origin is list:
         _check(isinstance(value, list), key, value, "must be a list.")
         return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else value

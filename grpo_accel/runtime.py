@@ -1,8 +1,12 @@
 """Process-level set-up: torch threads per process and an Accelerator that is truly distributed on CPU."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import threading
+from typing import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -58,3 +62,28 @@ def make_accelerator(gradient_accumulation_steps: int = 1, mixed_precision: str 
             f"({accelerator.distributed_type}); the processes would train alone. Check the accelerate config."
         )
     return accelerator
+
+
+@contextlib.contextmanager
+def stop_on_signals(request_stop: Callable[[str], None]):
+    """Inside the block, the first SIGTERM/SIGINT calls ``request_stop(reason)``; a second exits the process
+    at once with code 128 + signal. Outside the main thread it does nothing (signals go to the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+
+    def handler(signum, _frame):
+        received.append(signum)
+        name = signal.Signals(signum).name
+        if len(received) > 1:
+            os.write(2, f"second {name}: exiting without a checkpoint\n".encode())
+            os._exit(128 + signum)
+        request_stop(f"received {name}")
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

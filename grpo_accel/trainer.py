@@ -1,19 +1,19 @@
-"""GRPOTrainer: the synchronous GRPO loop under an ``accelerate.Accelerator`` (torchrl's API).
+"""GRPOTrainer: the GRPO loop under an ``accelerate.Accelerator``, with torchrl's constructor and methods.
 
-One iteration::
+One iteration (stages in brackets; see :mod:`grpo_accel.hooks`)::
 
     collector ──► rollout [N] (ids, masks, engine logprobs, rewards, advantages)
-       └─► old / reference logprobs (no grad, only when needed) ─► replay buffer
-             └─► num_epochs x micro-batches ─► GRPOLoss ─► backward / accumulate / clip / optimizer.step
-                   └─► weight push (once per collected batch) ─► log
+      [post_collect]   store_rollout: old / reference logprobs (only when needed) ─► replay buffer
+      [pre_optim]      num_epochs x micro-batches ─► GRPOLoss ─► stepper (backward / accumulate / clip / step)
+      [post_optim_step] after each optimizer step (async: update_weights every weight_update_frequency steps)
+      [post_optim]     sync: update_weights (once per collected batch), then empty the buffer if asked
+      [log]            rollout_metrics + loss diagnostics ─► logger
+      [post_iteration] checkpoint every save_trainer_interval frames; evaluation
 """
 from __future__ import annotations
 
 import logging
 import math
-import os
-import signal
-import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -25,29 +25,31 @@ from tensordict import TensorDict, TensorDictBase
 
 from grpo_accel import batch as K
 from grpo_accel.buffer import ReplayBuffer
-from grpo_accel.checkpoint import Checkpoint, CheckpointError, RunCheckpointer, parameter_signature
+from grpo_accel.checkpoint import (Checkpoint, CheckpointError, RunCheckpointer, load_trainer_payload,
+                                   parameter_signature, save_trainer_payload)
 from grpo_accel.distributed import configure_deepspeed, zero_stage
+from grpo_accel.hooks import Hooks
 from grpo_accel.loss import distributed_normalizer
+from grpo_accel.metrics import mean_over_processes, rollout_scalars
+from grpo_accel.runtime import stop_on_signals
+from grpo_accel.stepper import MixedPrecisionOptimizationStepper
 
 logger = logging.getLogger(__name__)
 
-# Spec parameters whose behaviour lands with a later issue: setting them to anything but the default raises.
-_NOT_YET = {
-    "optimization_stepper": None,
-    "async_collection": False,
-}
-
 
 class GRPOTrainer:
-    """A trainer for LLM alignment with GRPO-style objectives (see ../docs and the README's parameter table).
+    """A trainer for LLM alignment with GRPO-style objectives; the README maps every parameter to a test.
 
     A *frame* is one completion: ``total_frames`` counts completions collected over all processes.
+    Beyond the spec: ``accelerator`` (use this one instead of creating one) and ``max_staleness`` (async mode:
+    batches generated with weights more than this many pushes old are dropped; None keeps all).
 
     Example:
         >>> trainer = GRPOTrainer(collector=collector, total_frames=12_800, loss_module=GRPOLoss(model),
         ...                       optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
         ...                       replay_buffer=ReplayBuffer(batch_size=64),
         ...                       empty_replay_buffer_on_weight_update=True)
+        >>> trainer.register_op("post_iteration", lambda t: print(t.frames))
         >>> trainer.train()
     """
 
@@ -76,9 +78,9 @@ class GRPOTrainer:
         save_trainer_interval: int | None = None,
         log_interval: int = 1,
         save_trainer_file: str | Path | None = None,
-        checkpoint=None,
+        checkpoint: Checkpoint | None = None,
         checkpoint_rotation=None,
-        checkpoint_metadata: Callable | None = None,
+        checkpoint_metadata: Callable[[], dict] | None = None,
         num_epochs: int = 1,
         async_collection: bool = False,
         log_timings: bool = False,
@@ -87,22 +89,20 @@ class GRPOTrainer:
         log_kl: bool = True,
         *,
         accelerator=None,
+        max_staleness: int | None = 1,
     ) -> None:
-        given = locals()
-        for name, default in _NOT_YET.items():
-            if given[name] != default:
-                raise NotImplementedError(f"GRPOTrainer: {name}={given[name]!r} is not implemented yet; leave it at {default!r}.")
         _require(loss_module is not None, "loss_module", loss_module, "pass a GRPOLoss (or a module returning loss_* keys)")
-        _require(optimizer is not None, "optimizer", optimizer, "pass a torch optimizer over the policy's parameters")
+        _require((optimizer is None) != (optimization_stepper is None), "optimizer", optimizer,
+                 "pass exactly one of optimizer= and optimization_stepper=")
         _require(total_frames > 0, "total_frames", total_frames, "count of completions to collect, > 0")
         _require(frame_skip >= 1, "frame_skip", frame_skip, "use 1 for LLM tasks")
         _require(num_epochs >= 1, "num_epochs", num_epochs, "use 1 or more passes per collected batch")
         _require(gradient_accumulation_steps >= 1, "gradient_accumulation_steps", gradient_accumulation_steps, "use 1 or more")
         _require(optim_steps_per_batch is None or optim_steps_per_batch >= 1, "optim_steps_per_batch",
                  optim_steps_per_batch, "use None (whole buffer once per epoch) or a positive count")
-        _require(weight_update_frequency == 1, "weight_update_frequency", weight_update_frequency,
-                 "it only applies with async_collection=True (not implemented yet); sync mode pushes once per batch")
+        _require(weight_update_frequency >= 1, "weight_update_frequency", weight_update_frequency, "optimizer steps, >= 1")
         _require(log_interval >= 1, "log_interval", log_interval, "frames between logs, >= 1")
+        _require(max_staleness is None or max_staleness >= 0, "max_staleness", max_staleness, "use None or >= 0")
         _require(save_trainer_interval is None or save_trainer_interval >= 1, "save_trainer_interval",
                  save_trainer_interval, "frames between saves: None (only at the end) or >= 1")
         _require(save_trainer_interval is None or checkpoint is not None or save_trainer_file is not None,
@@ -114,41 +114,59 @@ class GRPOTrainer:
 
             set_seed(seed)
         self.accelerator = accelerator or _accelerator(gradient_accumulation_steps, mixed_precision, autocast_dtype)
-        _require(self.accelerator.gradient_accumulation_steps == gradient_accumulation_steps,
-                 "gradient_accumulation_steps", gradient_accumulation_steps,
-                 f"the given accelerator accumulates {self.accelerator.gradient_accumulation_steps}; make them agree")
+        acc = self.accelerator
+        _require(acc.gradient_accumulation_steps == gradient_accumulation_steps, "gradient_accumulation_steps",
+                 gradient_accumulation_steps, f"the given accelerator accumulates {acc.gradient_accumulation_steps}")
+        _require(not (async_collection and zero_stage(acc) == 3), "async_collection", async_collection,
+                 "background generation cannot join ZeRO-3's collective gathers; use ZeRO-0/1/2 or a separate engine")
+        _require(not (async_collection and getattr(getattr(collector, "engine", None), "model", None) is
+                      getattr(loss_module, "policy", object())), "async_collection", async_collection,
+                 "the engine generates from the weights being trained; give it its own copy and a weight-sync sender")
         self.collector, self.total_frames, self.frame_skip = collector, total_frames, frame_skip
         self.optim_steps_per_batch, self.num_epochs = optim_steps_per_batch, num_epochs
-        self.weight_sync_sender = weight_sync_sender
+        self.weight_sync_sender, self.weight_update_frequency = weight_sync_sender, weight_update_frequency
         self.empty_replay_buffer_on_weight_update = empty_replay_buffer_on_weight_update
         self.replay_buffer = replay_buffer or ReplayBuffer(batch_size or collector.completions_per_batch, seed=seed)
         if batch_size is not None:
             self.replay_buffer.batch_size = batch_size
-        self.gradient_accumulation_steps, self.clip_norm = gradient_accumulation_steps, clip_norm
+        if hasattr(collector, "completions_per_batch"):  # the usual layout can be checked before anything runs
+            self._check_accumulation(collector.completions_per_batch, gradient_accumulation_steps, optim_steps_per_batch)
+        self.gradient_accumulation_steps = gradient_accumulation_steps
         self.logger, self.log_interval, self.progress_bar = logger, log_interval, progress_bar
         self.log_timings, self.auto_log_optim_steps = log_timings, auto_log_optim_steps
         self.log_rewards, self.log_kl = log_rewards, log_kl
-        self._configure_deepspeed(loss_module)
-        self.loss_module, self.optimizer = self.accelerator.prepare(loss_module, optimizer)
-        self.device = torch.device(device) if device is not None else self.accelerator.device
+        self.async_collection, self.max_staleness = async_collection, max_staleness
+        self.stepper = optimization_stepper or MixedPrecisionOptimizationStepper(
+            optimizer, clip_norm, mixed_precision, autocast_dtype)
+        self._configure_deepspeed(loss_module, clip_norm)
+        self.loss_module, self.stepper.optimizer = acc.prepare(loss_module, self.stepper.optimizer)
+        self.stepper.bind(acc, self.loss_module)
+        self.device = torch.device(device) if device is not None else acc.device
         self.checkpoint, self.save_trainer_interval = checkpoint, save_trainer_interval
         self.save_trainer_file = Path(save_trainer_file) if save_trainer_file is not None else None
-        self._checkpointer = (RunCheckpointer(self.accelerator, checkpoint, checkpoint_rotation, checkpoint_metadata)
-                              if checkpoint is not None else None)
-        self.frames = self.optim_steps = self.iterations = 0
+        self._checkpointer = RunCheckpointer(acc, checkpoint, checkpoint_rotation, checkpoint_metadata) if checkpoint else None
+        self.frames = self.optim_steps = self.iterations = self.weight_version = self.dropped_batches = 0
         self.history: list[dict[str, float]] = []  # every logged scalar dict, in order
         self._stop_reason: str | None = None
-        self._signals = 0
-        self._saved_at = -1
-        self._last_log_frames = -math.inf
+        self._saved_at, self._batch_frames, self._last_log_frames = -1, 0, -math.inf
         self._timings: dict[str, float] = defaultdict(float)
+        self.hooks = Hooks()
+        self._register_builtin_hooks()
 
     # ------------------------------------------------------------------------------------------ public API
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.stepper.optimizer
 
     @property
     def unwrapped_loss(self) -> torch.nn.Module:
         """The loss module without Accelerate/DeepSpeed wrappers (its methods compute old/ref logprobs)."""
         return self.accelerator.unwrap_model(self.loss_module)
+
+    def register_op(self, stage: str, op: Callable, name: str | None = None) -> str:
+        """Run ``op(trainer, ...)`` at ``stage`` (see :mod:`grpo_accel.hooks`); returns the hook's name."""
+        return self.hooks.register(stage, op, name)
 
     def train(self) -> None:
         """Collect, optimise and push weights until ``total_frames`` completions or ``request_stop``.
@@ -159,40 +177,44 @@ class GRPOTrainer:
         if self.checkpoint is not None and (path := self.checkpoint.resume_path()) is not None:
             self._resume(path)
         bar = self._progress()
-        with self._preemption_handlers():
-            for rollout in self.collector:
-                start = time.perf_counter()
-                frames = rollout.numel() * self.accelerator.num_processes * self.frame_skip
-                self.frames += frames
-                self.iterations += 1
-                self._store(rollout)
-                stats = self._optimise()
-                with self._timed("weight_sync"):
-                    self._update_weights()
-                self._timings["iteration"] += time.perf_counter() - start
-                self._log(rollout, stats)
-                if bar is not None:
-                    bar.update(min(bar.total - bar.n, frames))
-                    bar.set_postfix(reward=f"{float(rollout[K.REWARD].mean()):.3f}",
-                                    step_s=f"{time.perf_counter() - start:.2f}")
-                if self._save_due(frames):
-                    self.save_checkpoint("interval")
-                if self._should_stop():
-                    break
-            if self._stop_reason is not None:
-                logger.warning("training stopped early after %d frames: %s", self.frames, self._stop_reason)
-            if self._saved_at != self.iterations and self.iterations > 0:
-                self.save_checkpoint(self._stop_reason or "end of training")
-        if bar is not None:
-            bar.close()
-        if self.logger is not None and hasattr(self.logger, "flush"):
-            self.logger.flush()
+        source = self.collector
+        if self.async_collection:
+            from grpo_accel.rollout.background import BackgroundCollector
+
+            source = BackgroundCollector(self.collector)
+        try:
+            with stop_on_signals(self.request_stop):
+                for rollout in source:
+                    self._iteration(rollout, bar)
+                    if self._should_stop():
+                        break
+                if self._stop_reason is not None:
+                    logger.warning("training stopped early after %d frames: %s", self.frames, self._stop_reason)
+                if self._saved_at != self.iterations and self.iterations > 0:
+                    self.save_checkpoint(self._stop_reason or "end of training")
+        finally:
+            if source is not self.collector:
+                source.close()
+            if bar is not None:
+                bar.close()
+            if self.logger is not None and hasattr(self.logger, "flush"):
+                self.logger.flush()
 
     def compute_loss(self, sub_batch: TensorDictBase, method: str | None = None, **kwargs) -> TensorDictBase | Any:
         """The loss of ``sub_batch`` through the prepared (wrapped) module, or its ``method`` if named."""
         if method is None:
             return self.loss_module(sub_batch, **kwargs)
         return getattr(self.unwrapped_loss, method)(sub_batch, **kwargs)
+
+    def request_stop(self, reason: str | None = None) -> None:
+        """Stop at the next loop boundary (the end of the current iteration, after a checkpoint)."""
+        self._stop_reason = reason or "request_stop() called"
+
+    def log_scalars(self, scalars: dict[str, float]) -> None:
+        """Write ``scalars`` at the current iteration (main process), e.g. from an evaluation hook."""
+        if self.logger is not None and self.accelerator.is_main_process:
+            for name, value in scalars.items():
+                self.logger.log_scalar(name, value, step=self.iterations)
 
     def load_from_file(self, file: str | Path, **kwargs) -> "GRPOTrainer":
         """Load a checkpoint folder (resume; ``strict=False`` tolerates a missing trainer state) or a
@@ -202,8 +224,7 @@ class GRPOTrainer:
         if path.is_dir():
             self._resume(path, strict=kwargs.get("strict", True))
             return self
-        payload = torch.load(path, weights_only=kwargs.get("weights_only", True), mmap=kwargs.get("mmap", True),
-                             map_location=kwargs.get("map_location", "cpu"))
+        payload = load_trainer_payload(path, **kwargs)
         if zero_stage(self.accelerator) == 3:
             raise CheckpointError(f"{path}: a single-file trainer payload cannot be loaded under ZeRO-3; resume "
                                   "from a checkpoint folder instead (checkpoint.resume).")
@@ -214,25 +235,26 @@ class GRPOTrainer:
         return self
 
     def state_dict(self) -> dict:
-        """This process's trainer state: counters, replay buffer, collector position (and weight version)."""
+        """This process's trainer state: counters, replay buffer, collector position, stepper (scaler)."""
         collector = self.collector.state_dict() if hasattr(self.collector, "state_dict") else None
         return {"frames": self.frames, "optim_steps": self.optim_steps, "iterations": self.iterations,
+                "weight_version": self.weight_version, "dropped_batches": self.dropped_batches,
                 "last_log_frames": float(self._last_log_frames), "collector": collector,
-                "replay_buffer": self.replay_buffer.state_dict()}
+                "replay_buffer": self.replay_buffer.state_dict(), "stepper": self.stepper.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.frames, self.optim_steps, self.iterations = state["frames"], state["optim_steps"], state["iterations"]
+        self.weight_version, self.dropped_batches = state["weight_version"], state["dropped_batches"]
         self._last_log_frames = state["last_log_frames"]
         if state["collector"] is not None:
             self.collector.load_state_dict(state["collector"])
         self.replay_buffer.load_state_dict(state["replay_buffer"])
+        self.stepper.load_state_dict(state["stepper"])
 
     def save_checkpoint(self, reason: str = "requested") -> Path | None:
         """Save now (collective): the checkpoint folder, and ``save_trainer_file`` if set."""
-        if self.checkpoint is None and self.save_trainer_file is None:
-            return None
+        final = None
         with self._timed("checkpoint"):
-            final = None
             if self._checkpointer is not None:
                 info = {"reason": reason, "frames": self.frames, "optim_steps": self.optim_steps,
                         "num_processes": self.accelerator.num_processes, "zero_stage": zero_stage(self.accelerator),
@@ -243,11 +265,165 @@ class GRPOTrainer:
         self._saved_at = self.iterations
         return final
 
-    def request_stop(self, reason: str | None = None) -> None:
-        """Stop at the next loop boundary (after the current optimisation loop and weight push)."""
-        self._stop_reason = reason or "request_stop() called"
+    # ----------------------------------------------------------------------------------------- the loop
+
+    def _iteration(self, rollout: TensorDict, bar) -> None:
+        start = time.perf_counter()
+        frames = rollout.numel() * self.accelerator.num_processes * self.frame_skip
+        self.frames += frames
+        self._batch_frames = frames
+        self.iterations += 1
+        kept = self.hooks.chain("post_collect", self, rollout)
+        stats: dict[str, float] = {}
+        if kept.numel() > 0:
+            self.hooks.run("pre_optim", self)
+            stats = self._optimise()
+            self.hooks.run("post_optim", self)
+        self._timings["iteration"] += time.perf_counter() - start
+        self._log(rollout, stats)
+        if bar is not None:
+            bar.update(min(bar.total - bar.n, frames))
+            bar.set_postfix(reward=f"{float(rollout[K.REWARD].mean()):.3f}", step_s=f"{time.perf_counter() - start:.2f}")
+        self.hooks.run("post_iteration", self)
+
+    def _register_builtin_hooks(self) -> None:
+        if self.async_collection:
+            self.register_op("post_collect", GRPOTrainer._drop_stale, "drop_stale")
+        self.register_op("post_collect", GRPOTrainer._store_rollout, "store_rollout")
+        if self.async_collection:
+            self.register_op("post_optim_step", GRPOTrainer._update_weights_every_n, "update_weights")
+        else:
+            self.register_op("post_optim", GRPOTrainer._update_weights, "update_weights")
+        self.register_op("log", GRPOTrainer._rollout_metrics, "rollout_metrics")
+        self.register_op("post_iteration", GRPOTrainer._checkpoint_when_due, "checkpoint")
+
+    def _needs_old_logprobs(self, rows: int) -> bool:
+        """pi_old must be stored unless each row is used by exactly one optimizer step taken right after sampling."""
+        steps = self.num_epochs * self._micro_batches(rows) // self.gradient_accumulation_steps
+        return steps > 1 or not self.empty_replay_buffer_on_weight_update
+
+    def _micro_batches(self, rows: int) -> int:  # per epoch
+        return self.optim_steps_per_batch or math.ceil(rows / self.replay_buffer.batch_size)
+
+    @torch.no_grad()
+    def _store_rollout(self, rollout: TensorDict) -> TensorDict:
+        """Add pi_old and reference logprobs (in micro-batch chunks, as the training forward computes them)."""
+        if rollout.numel() == 0:
+            return rollout
+        loss = self.unwrapped_loss
+        methods = []
+        if self.async_collection:  # the behaviour policy is the engine's (older) weights: correct towards it
+            rollout[K.OLD_LOGPROBS] = rollout[K.ENGINE_LOGPROBS]
+        elif self._needs_old_logprobs(len(self.replay_buffer) + rollout.numel()) and hasattr(loss, "add_old_logprobs"):
+            methods.append((K.OLD_LOGPROBS, loss.add_old_logprobs))
+        if getattr(loss, "reference", None) is not None:
+            methods.append((K.REF_LOGPROBS, loss.add_reference_logprobs))
+        for key, add in methods:
+            with self._timed(key), self.stepper.autocast():
+                parts = []
+                for start in range(0, rollout.numel(), self.replay_buffer.batch_size):
+                    part = K.trim_padding(rollout[start : start + self.replay_buffer.batch_size]).to(self.device)
+                    add(part)
+                    parts.append(part.to("cpu"))
+                rollout[key] = K.concat_rollouts(parts, pad_id=0)[key]
+        self.replay_buffer.extend(rollout)
+        self._check_accumulation(len(self.replay_buffer), self.gradient_accumulation_steps, self.optim_steps_per_batch)
+        return rollout
+
+    def _check_accumulation(self, rows: int, ga: int, optim_steps_per_batch: int | None) -> None:
+        micro = optim_steps_per_batch or math.ceil(rows / self.replay_buffer.batch_size)
+        if micro % ga:
+            raise ValueError(
+                f"GRPOTrainer: {micro} micro-batches per epoch ({rows} completions / batch_size="
+                f"{self.replay_buffer.batch_size}) is not a multiple of gradient_accumulation_steps={ga}; "
+                "make completions per batch = batch_size x accumulation x k."
+            )
+
+    def _drop_stale(self, rollout: TensorDict) -> TensorDict | None:
+        """Async: a batch generated more than ``max_staleness`` pushes ago (on any process) is dropped."""
+        staleness = torch.tensor([float(self.weight_version - int(rollout[K.WEIGHT_VERSION].min()))],
+                                 device=self.accelerator.device)
+        staleness = float(self.accelerator.reduce(staleness, reduction="max")[0]) if self.accelerator.num_processes > 1 \
+            else float(staleness[0])
+        self._timings["staleness"] = staleness  # logged as train/staleness
+        if self.max_staleness is not None and staleness > self.max_staleness:
+            self.dropped_batches += 1
+            return rollout[:0]
+        return None
+
+    def _optimise(self) -> dict[str, float]:
+        """num_epochs passes over the buffer; returns the mean of each scalar over the optimizer steps."""
+        sums: dict[str, float] = defaultdict(float)
+        steps, ga = 0, self.gradient_accumulation_steps
+        for _ in range(self.num_epochs):
+            if self.optim_steps_per_batch is None:
+                micro_batches = list(self.replay_buffer)
+            else:
+                micro_batches = [self.replay_buffer.sample() for _ in range(self.optim_steps_per_batch)]
+            for i in range(0, len(micro_batches), ga):
+                stats = self._optimizer_step(micro_batches[i : i + ga])
+                self.hooks.run("post_optim_step", self, stats)
+                for key, value in stats.items():
+                    sums[key] += value
+                steps += 1
+        return {key: value / steps for key, value in sums.items()}
+
+    def _step_normalizer(self, micro_batches: list[TensorDict]) -> torch.Tensor:
+        """The loss divisor of this optimizer step: its units over all processes (one all-reduce)."""
+        units = sum(self.unwrapped_loss.units(mb.to(self.device)) for mb in micro_batches)
+        total = self.accelerator.reduce(units.reshape(1).float(), reduction="sum")[0]
+        return distributed_normalizer(total, self.accelerator.num_processes, self.gradient_accumulation_steps)
+
+    def _optimizer_step(self, micro_batches: list[TensorDict]) -> dict[str, float]:
+        has_units = hasattr(self.unwrapped_loss, "units")
+        kwargs = {"normalizer": self._step_normalizer(micro_batches)} if has_units else {}
+        stats: dict[str, float] = defaultdict(float)
+        share = 1.0 / len(micro_batches)  # loss_* are shares of the step's objective over ga; diagnostics means
+        for mb in micro_batches:
+            with self.accelerator.accumulate(self.loss_module):
+                with self._timed("forward_backward"):
+                    with self.stepper.autocast():
+                        out = self.compute_loss(mb.to(self.device), **kwargs)
+                        loss = sum(out[k] for k in out.keys() if k.startswith("loss_"))
+                    self.stepper.backward(loss)
+                with self._timed("optimizer"):
+                    stats.update(self.stepper.step())
+            stats["loss"] += float(loss.detach()) * share
+            for key in out.keys():
+                stats[key] += float(out[key].detach().float()) * share
+        self.optim_steps += 1
+        return dict(stats)
+
+    def _update_weights(self) -> None:
+        """Push the weights to the engine (sync: once per collected batch), then empty the buffer if asked."""
+        with self._timed("weight_sync"):
+            if self.weight_sync_sender is not None:
+                self.weight_sync_sender.update_weights()
+            self.weight_version += 1
+        if self.empty_replay_buffer_on_weight_update:
+            self.replay_buffer.empty()
+
+    def _update_weights_every_n(self, stats: dict) -> None:
+        if self.optim_steps % self.weight_update_frequency == 0:
+            self._update_weights()
+
+    def _checkpoint_when_due(self) -> None:
+        """Save when this iteration's frames crossed a multiple of ``save_trainer_interval``."""
+        every = self.save_trainer_interval
+        if every is not None and self.frames // every > (self.frames - self._batch_frames) // every:
+            self.save_checkpoint("interval")
 
     # ------------------------------------------------------------------------------- saving and stopping
+
+    def _configure_deepspeed(self, loss_module: torch.nn.Module, clip_norm: float | None) -> None:
+        """Under DeepSpeed, the trainer's batch size, accumulation and clipping go into its config."""
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if plugin is None:
+            return
+        config = getattr(getattr(loss_module, "policy", None), "config", None)
+        configure_deepspeed(plugin.deepspeed_config, micro_batch=self.replay_buffer.batch_size,
+                            accumulation=self.gradient_accumulation_steps, num_processes=self.accelerator.num_processes,
+                            clip_norm=clip_norm, hidden_size=getattr(config, "hidden_size", None))
 
     def _resume(self, path: Path, strict: bool = True) -> None:
         checkpointer = self._checkpointer or RunCheckpointer(self.accelerator, Checkpoint(Path(path).parent))
@@ -272,15 +448,7 @@ class GRPOTrainer:
     def _save_legacy_file(self) -> None:
         weights = self.accelerator.get_state_dict(self.loss_module)  # collective under ZeRO-3; full on rank 0
         if self.accelerator.is_main_process:
-            tmp = self.save_trainer_file.with_name(self.save_trainer_file.name + ".tmp")
-            tmp.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({"model": weights, "trainer": self.state_dict()}, tmp)
-            os.replace(tmp, self.save_trainer_file)
-
-    def _save_due(self, frames_this_batch: int) -> bool:
-        if self.save_trainer_interval is None:
-            return False
-        return self.frames // self.save_trainer_interval > (self.frames - frames_this_batch) // self.save_trainer_interval
+            save_trainer_payload(self.save_trainer_file, weights, self.state_dict())
 
     def _should_stop(self) -> bool:
         """Every process takes the same decision: one all-reduce of the stop flags per iteration."""
@@ -288,132 +456,6 @@ class GRPOTrainer:
         if self.accelerator.num_processes > 1 and bool(self.accelerator.reduce(local, reduction="sum")[0] > 0):
             self._stop_reason = self._stop_reason or "another process requested a stop"
         return self._stop_reason is not None or self.frames >= self.total_frames
-
-    @contextmanager
-    def _preemption_handlers(self):
-        """First SIGTERM/SIGINT: stop at the next loop boundary with a checkpoint. Second: exit at once."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def handler(signum, _frame):
-            self._signals += 1
-            if self._signals > 1:
-                os.write(2, f"second {signal.Signals(signum).name}: exiting without a checkpoint\n".encode())
-                os._exit(128 + signum)
-            self.request_stop(f"received {signal.Signals(signum).name}")
-
-        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            yield
-        finally:
-            for sig, old in previous.items():
-                signal.signal(sig, old)
-
-    # ----------------------------------------------------------------------------------------- the loop
-
-    def _configure_deepspeed(self, loss_module: torch.nn.Module) -> None:
-        """Under DeepSpeed, the trainer's batch size, accumulation and clipping go into its config."""
-        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        if plugin is None:
-            return
-        config = getattr(getattr(loss_module, "policy", None), "config", None)
-        configure_deepspeed(
-            plugin.deepspeed_config, micro_batch=self.replay_buffer.batch_size,
-            accumulation=self.gradient_accumulation_steps, num_processes=self.accelerator.num_processes,
-            clip_norm=self.clip_norm, hidden_size=getattr(config, "hidden_size", None),
-        )
-
-    def _needs_old_logprobs(self, rows: int) -> bool:
-        """pi_old must be stored unless each row is used by exactly one optimizer step taken right after sampling."""
-        steps = self.num_epochs * self._micro_batches(rows) // self.gradient_accumulation_steps
-        return steps > 1 or not self.empty_replay_buffer_on_weight_update
-
-    def _micro_batches(self, rows: int) -> int:
-        return self.optim_steps_per_batch or math.ceil(rows / self.replay_buffer.batch_size)
-
-    @torch.no_grad()
-    def _store(self, rollout: TensorDict) -> None:
-        """Add old/reference logprobs (in micro-batch chunks, as the training forward computes them), then store."""
-        loss = self.unwrapped_loss
-        methods = []
-        if self._needs_old_logprobs(len(self.replay_buffer) + rollout.numel()) and hasattr(loss, "add_old_logprobs"):
-            methods.append(("old_logprobs", loss.add_old_logprobs))
-        if getattr(loss, "reference", None) is not None:
-            methods.append(("ref_logprobs", loss.add_reference_logprobs))
-        for phase, add in methods:
-            with self._timed(phase), self.accelerator.autocast():
-                parts = []
-                for start in range(0, rollout.numel(), self.replay_buffer.batch_size):
-                    part = K.trim_padding(rollout[start : start + self.replay_buffer.batch_size]).to(self.device)
-                    add(part)
-                    parts.append(part.to("cpu"))
-                merged = K.concat_rollouts(parts, pad_id=0)
-                rollout[phase] = merged[phase]
-        self.replay_buffer.extend(rollout)
-        micro = self._micro_batches(len(self.replay_buffer))
-        if micro % self.gradient_accumulation_steps:
-            raise ValueError(
-                f"{micro} micro-batches per epoch ({len(self.replay_buffer)} completions / batch_size="
-                f"{self.replay_buffer.batch_size}) is not a multiple of gradient_accumulation_steps="
-                f"{self.gradient_accumulation_steps}; make completions per batch = batch_size x accumulation x k."
-            )
-
-    def _optimise(self) -> dict[str, float]:
-        """num_epochs passes over the buffer; returns the mean of each scalar over the optimizer steps."""
-        sums: dict[str, float] = defaultdict(float)
-        steps = 0
-        ga = self.gradient_accumulation_steps
-        for _ in range(self.num_epochs):
-            if self.optim_steps_per_batch is None:
-                micro_batches = list(self.replay_buffer)
-            else:
-                micro_batches = [self.replay_buffer.sample() for _ in range(self.optim_steps_per_batch)]
-            for i in range(0, len(micro_batches), ga):
-                for key, value in self._optimizer_step(micro_batches[i : i + ga]).items():
-                    sums[key] += value
-                steps += 1
-        return {key: value / steps for key, value in sums.items()}
-
-    def _step_normalizer(self, micro_batches: list[TensorDict]) -> torch.Tensor:
-        """The loss divisor of this optimizer step: its units over all processes (one all-reduce)."""
-        units = sum(self.unwrapped_loss.units(mb.to(self.device)) for mb in micro_batches)
-        total = self.accelerator.reduce(units.reshape(1).float(), reduction="sum")[0]
-        return distributed_normalizer(total, self.accelerator.num_processes, self.gradient_accumulation_steps)
-
-    def _optimizer_step(self, micro_batches: list[TensorDict]) -> dict[str, float]:
-        has_units = hasattr(self.unwrapped_loss, "units")
-        normalizer = self._step_normalizer(micro_batches) if has_units else None
-        stats: dict[str, float] = defaultdict(float)
-        for mb in micro_batches:
-            mb = mb.to(self.device)
-            with self.accelerator.accumulate(self.loss_module):
-                with self._timed("forward_backward"):
-                    out = self.compute_loss(mb, normalizer=normalizer) if has_units else self.compute_loss(mb)
-                    loss = sum(out[k] for k in out.keys() if k.startswith("loss_"))
-                    self.accelerator.backward(loss)
-                with self._timed("optimizer"):
-                    if self.accelerator.sync_gradients and self.clip_norm:
-                        grad_norm = self.accelerator.clip_grad_norm_(self.loss_module.parameters(), self.clip_norm)
-                        if grad_norm is not None:
-                            stats["grad_norm"] = float(grad_norm)
-                    self.optimizer.step()
-                    self.optimizer.zero_grad()
-            # Every micro-batch's loss_* is its share of the step's objective over ga (the normaliser was
-            # scaled by ga), and diagnostics are per-micro-batch means: both average with weight 1/ga.
-            share = 1.0 / len(micro_batches)
-            stats["loss"] += float(loss.detach()) * share
-            for key in out.keys():
-                stats[key] += float(out[key].detach().float()) * share
-        self.optim_steps += 1
-        return dict(stats)
-
-    def _update_weights(self) -> None:
-        """Sync mode: push once per collected batch, then empty the buffer if asked."""
-        if self.weight_sync_sender is not None:
-            self.weight_sync_sender.update_weights()
-        if self.empty_replay_buffer_on_weight_update:
-            self.replay_buffer.empty()
 
     # --------------------------------------------------------------------------------------- reporting
 
@@ -430,7 +472,10 @@ class GRPOTrainer:
             return None
         from tqdm.auto import tqdm
 
-        return tqdm(total=self.total_frames, desc="frames", unit="completion")
+        return tqdm(total=self.total_frames, initial=min(self.frames, self.total_frames), desc="frames", unit="completion")
+
+    def _rollout_metrics(self, rollout: TensorDict, scalars: dict[str, float]) -> None:
+        scalars.update(rollout_scalars(self.accelerator, rollout, with_rewards=self.log_rewards))
 
     def _log(self, rollout: TensorDict, stats: dict[str, float]) -> None:
         if self.frames - self._last_log_frames < self.log_interval and self.frames < self.total_frames:
@@ -440,64 +485,29 @@ class GRPOTrainer:
         scalars = {"train/frames": float(self.frames)}
         if self.auto_log_optim_steps:
             scalars["train/optim_steps"] = float(self.optim_steps)
-        mean_stats = self._mean_over_processes(stats)
-        for key, value in mean_stats.items():
-            if self.log_kl or "kl" not in key:
-                scalars[f"train/{key}"] = value
-        scalars.update(self._rollout_scalars(rollout))
+        if self.async_collection:
+            scalars["train/staleness"] = self._timings.pop("staleness", 0.0)
+            scalars["train/dropped_batches"] = float(self.dropped_batches)
+        scalars.update({f"train/{k}": v for k, v in mean_over_processes(self.accelerator, stats).items()})
+        self.hooks.run("log", self, rollout, scalars)
+        if not self.log_kl:
+            scalars = {k: v for k, v in scalars.items() if "kl" not in k}
         if self.log_timings:
             scalars.update({f"time/{phase}": seconds for phase, seconds in self._timings.items()})
+            scalars.update({f"time/hook/{name}": seconds for name, seconds in self.hooks.seconds.items()})
         self._timings.clear()
+        self.hooks.seconds.clear()
         self.history.append(scalars)
-        if self.logger is not None and self.accelerator.is_main_process:
-            for name, value in scalars.items():
-                self.logger.log_scalar(name, value, step=self.iterations)
-
-    def _mean_over_processes(self, stats: dict[str, float]) -> dict[str, float]:
-        if not stats:
-            return {}
-        keys = sorted(stats)
-        values = torch.tensor([stats[k] for k in keys], device=self.accelerator.device)
-        values = self.accelerator.reduce(values, reduction="mean")
-        return dict(zip(keys, values.tolist()))
-
-    def _rollout_scalars(self, rollout: TensorDict) -> dict[str, float]:
-        """Reward and completion statistics over every process's rollout."""
-        keys = [K.REWARD] + [(K.REWARDS, name) for name in rollout[K.REWARDS].keys()]
-        local = torch.stack(
-            [rollout[k].float() for k in keys]
-            + [rollout[K.COMPLETION_MASK].sum(-1).float(), (rollout[K.FINISH_REASON] == K.FINISH_LENGTH).float(),
-               rollout[K.WEIGHT_VERSION].float()],
-            dim=1,
-        ).to(self.accelerator.device)  # [n, k]
-        every = self.accelerator.gather(local)  # [n * processes, k]
-        n_rewards = len(keys)
-        out = {
-            "train/completion_length_mean": float(every[:, n_rewards].mean()),
-            "train/truncated_fraction": float(every[:, n_rewards + 1].mean()),
-            "train/weight_version_mean": float(every[:, n_rewards + 2].mean()),
-        }
-        if self.log_rewards:
-            out["train/reward_mean"] = float(every[:, 0].mean())
-            out["train/reward_std"] = float(every[:, 0].std())
-            for j, key in enumerate(keys[1:], start=1):
-                out[f"train/reward/{key[1]}_mean"] = float(every[:, j].mean())
-                out[f"train/reward/{key[1]}_std"] = float(every[:, j].std())
-        return out
+        self.log_scalars(scalars)
 
 
 def _accelerator(gradient_accumulation_steps: int, mixed_precision: bool, autocast_dtype: torch.dtype):
     from grpo_accel.runtime import make_accelerator
 
-    if not mixed_precision:
-        mode = "no"
-    elif autocast_dtype == torch.bfloat16:
-        mode = "bf16"
-    elif autocast_dtype == torch.float16:
-        mode = "fp16"
-    else:
-        raise ValueError(f"GRPOTrainer: autocast_dtype={autocast_dtype} is not supported; use torch.bfloat16 or torch.float16.")
-    return make_accelerator(gradient_accumulation_steps, mode)
+    modes = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+    _require(not mixed_precision or autocast_dtype in modes, "autocast_dtype", autocast_dtype,
+             "use torch.bfloat16 or torch.float16")
+    return make_accelerator(gradient_accumulation_steps, modes[autocast_dtype] if mixed_precision else "no")
 
 
 def _require(ok: bool, name: str, value, fix: str) -> None:

@@ -34,6 +34,7 @@ def build_trainer(cfg: GRPOConfig):
     from grpo_accel.checkpoint import Checkpoint, CheckpointRotation
     from grpo_accel.config import ConfigError, resume_conflicts
     from grpo_accel.distributed import gathered_parameters, preflight
+    from grpo_accel.evaluation import Evaluator
     from grpo_accel.loss import GRPOLoss
     from grpo_accel.rollout.collector import GRPOCollector
     from grpo_accel.rollout.local import EmbeddedEngine, EmbeddedWeightSync
@@ -52,7 +53,10 @@ def build_trainer(cfg: GRPOConfig):
         if conflicts:
             raise ConfigError(f"checkpoint {resume} was trained with other settings: {conflicts}; resume with the "
                               "same settings, or start a new run in another output_dir.")
-    rows, _held_out = build_rows(cfg.data)
+    rows, held_out = build_rows(cfg.data)
+    if cfg.eval.every_iterations and not held_out:
+        raise ConfigError(f"eval.every_iterations={cfg.eval.every_iterations}: there are no held-out rows; set "
+                          "data.holdout (built-in task) or data.eval_path, or eval.every_iterations=0.")
     # Models are built before the Accelerator: under ZeRO-3 that keeps zero.Init out, so every stage starts
     # from the same weights (DeepSpeed partitions them in prepare()).
     tokenizer, model = build_tokenizer_and_model(cfg.model, seed=t.seed)
@@ -63,14 +67,22 @@ def build_trainer(cfg: GRPOConfig):
     log.info("process group ready: rank %d of %d (%s)", accelerator.process_index, accelerator.num_processes,
              accelerator.distributed_type.name)
     log.info(cfg.describe_batch_layout(accelerator.num_processes))
-    engine = EmbeddedEngine(model, tokenizer, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+    # Async collection generates while the policy is updated, so the engine needs its own copy of the weights.
+    engine_model = copy.deepcopy(model) if t.async_collection else model
+    engine = EmbeddedEngine(engine_model, tokenizer, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                             top_p=r.top_p, top_k=r.top_k,
                             gather=(lambda: gathered_parameters(model)) if r.zero3_gather_full else None)
+    rewards = build_rewards(cfg.rewards)
+
+    def any_process(flag: bool) -> bool:
+        return bool(accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), "sum")[0] > 0)
+
     collector = GRPOCollector(
-        engine, tokenizer, rows, build_rewards(cfg.rewards), prompts_per_batch=r.prompts_per_step,
+        engine, tokenizer, rows, rewards, prompts_per_batch=r.prompts_per_step,
         group_size=r.group_size, prompt_field=cfg.data.prompt_field, max_prompt_tokens=r.max_prompt_tokens,
         scale_advantages=lc.scale_advantages, leave_one_out=lc.leave_one_out, seed=t.seed,
         rank=accelerator.process_index, world_size=accelerator.num_processes,
+        dynamic_sampling=r.dynamic_sampling, max_extra_rounds=r.max_extra_rounds, sync_any=any_process,
     )
     loss = GRPOLoss(
         model, reference, clip_epsilon=(lc.clip_eps_low, lc.clip_eps_high),
@@ -81,9 +93,11 @@ def build_trainer(cfg: GRPOConfig):
     o = cfg.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
     logger = TensorBoardLogger(Path(cfg.output_dir) / "tensorboard") if accelerator.is_main_process else None
-    return GRPOTrainer(
+    trainer = GRPOTrainer(
         collector=collector, total_frames=t.total_frames, optim_steps_per_batch=t.optim_steps_per_batch,
-        loss_module=loss, optimizer=optimizer, weight_sync_sender=EmbeddedWeightSync(engine),
+        loss_module=loss, optimizer=optimizer, weight_sync_sender=EmbeddedWeightSync(engine, source=model),
+        weight_update_frequency=t.weight_update_frequency, async_collection=t.async_collection,
+        max_staleness=t.max_staleness,
         empty_replay_buffer_on_weight_update=t.empty_replay_buffer_on_weight_update,
         batch_size=t.micro_batch_completions, gradient_accumulation_steps=t.gradient_accumulation_steps,
         mixed_precision=t.mixed_precision != "no",
@@ -95,6 +109,11 @@ def build_trainer(cfg: GRPOConfig):
         checkpoint_rotation=CheckpointRotation(c.keep_last, c.keep_best, c.best_metric, c.best_mode),
         checkpoint_metadata=lambda: {"config": to_dict(cfg)},
     )
+    if cfg.eval.every_iterations:
+        evaluator = Evaluator(engine, tokenizer, held_out, rewards, every=cfg.eval.every_iterations, k=cfg.eval.k,
+                              prompt_field=cfg.data.prompt_field, success_threshold=cfg.eval.success_threshold)
+        trainer.register_op("post_iteration", evaluator, "evaluate")
+    return trainer
 
 
 def summarize(trainer, wall_s: float) -> dict:

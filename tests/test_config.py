@@ -15,6 +15,22 @@ def test_every_shipped_experiment_config_loads_and_lays_out(path):
     assert "completions per step" in cfg.describe_batch_layout(1)
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "launch" / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_experiment_config_starts_with_its_command(path):
+    assert path.read_text().startswith("# accelerate launch --config_file accelerate_configs/")
+
+
+def test_config_is_a_hydra_structured_config():
+    from omegaconf import OmegaConf
+
+    base = OmegaConf.structured(GRPOConfig)
+    merged = OmegaConf.merge(base, OmegaConf.load(ROOT / "launch" / "configs" / "dapo.yaml"),
+                             OmegaConf.from_dotlist(["trainer.total_frames=256"]))
+    cfg = OmegaConf.to_object(merged)
+    assert isinstance(cfg, GRPOConfig) and cfg.rollout.dynamic_sampling and cfg.trainer.total_frames == 256
+    assert to_dict(cfg) == to_dict(load_config(ROOT / "launch" / "configs" / "dapo.yaml", ["trainer.total_frames=256"]))
+
+
 def test_default_yaml_spells_out_the_defaults():
     assert to_dict(load_config(ROOT / "launch" / "configs" / "default.yaml")) == to_dict(GRPOConfig())
 
@@ -39,6 +55,10 @@ def test_overrides_are_typed_and_nested():
     [("rollout.group_size=1", "rollout.group_size=1: GRPO compares"),
      ("rollout.sizes=3", "rollout.sizes: unknown key; valid keys under rollout"),
      ("loss.aggregation=mean", "loss.aggregation='mean': must be one of"),
+     ("trainer.mixed_precision=fp8", "trainer.mixed_precision='fp8': must be one of"),
+     ("trainer.max_staleness=-1", "trainer.max_staleness=-1"),
+     ("eval.k=0", "eval.k=0"),
+     ("checkpoint.best_mode=up", "checkpoint.best_mode='up'"),
      ("trainer.total_frames=many", "trainer.total_frames='many': must be an integer"),
      ("trainer.progress_bar=3", "must be true or false"),
      ("rollout.temperature=0", "rollout.temperature=0.0: must be > 0"),

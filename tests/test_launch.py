@@ -61,6 +61,27 @@ def test_empty_dataset_names_the_file(tmp_path):
     assert "the dataset is empty" in proc.stderr and str(data) in proc.stderr
 
 
+@pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "launch" / "configs").glob("*.yaml")))
+def test_every_experiment_config_runs(tmp_path, config):
+    out = tmp_path / "run"
+    launch("single_process.yaml", ["--config", str(ROOT / "launch" / "configs" / config), f"output_dir={out}",
+                                   "trainer.total_frames=512", "trainer.progress_bar=false", "eval.every_iterations=2"]
+           + (["data.holdout=4"] if config != "dapo.yaml" else []))
+    from grpo_accel.tracking import read_scalars
+
+    scalars = read_scalars(out / "tensorboard")
+    assert len(scalars["train/loss"]) == 4 and len(scalars["eval/answer_match/pass@4"]) == 2
+    if config == "async.yaml":
+        assert [v for _, v in scalars["train/staleness"]][1:] == [1.0, 1.0, 1.0]
+    if config == "dapo.yaml":
+        assert "train/dropped_group_fraction" in scalars
+
+
+def test_eval_without_held_out_rows_is_an_error(tmp_path):
+    proc = launch("single_process.yaml", [f"output_dir={tmp_path}", "eval.every_iterations=5"], expect_ok=False)
+    assert "eval.every_iterations=5: there are no held-out rows" in proc.stderr
+
+
 def test_import_is_cheap():
     code = (
         "import sys, grpo_accel\n"

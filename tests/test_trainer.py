@@ -144,19 +144,10 @@ def test_progress_bar_shows_frames(tokenizer, tiny_model, capsys):
 
 
 @pytest.mark.parametrize(
-    "name, value",
-    [("optimization_stepper", object()), ("async_collection", True)],
-)
-def test_parameters_of_later_issues_raise_not_implemented(tokenizer, tiny_model, name, value):
-    with pytest.raises(NotImplementedError, match=name):
-        make_trainer(tokenizer, tiny_model, **{name: value})
-
-
-@pytest.mark.parametrize(
     "kwargs, fragment",
     [({"optimizer": None}, "optimizer=None"), ({"loss_module": None}, "loss_module=None"),
      ({"total_frames": 0}, "total_frames=0"), ({"num_epochs": 0}, "num_epochs=0"),
-     ({"weight_update_frequency": 3}, "weight_update_frequency=3"), ({"log_interval": 0}, "log_interval=0"),
+     ({"weight_update_frequency": 0}, "weight_update_frequency=0"), ({"log_interval": 0}, "log_interval=0"),
      ({"mixed_precision": True, "autocast_dtype": torch.float64}, "autocast_dtype"),
      ({"save_trainer_interval": 16}, "pass checkpoint= or save_trainer_file="),
      ({"checkpoint_rotation": object()}, "rotation needs checkpoint=")],
@@ -168,6 +159,5 @@ def test_bad_trainer_arguments_name_the_parameter(tokenizer, tiny_model, kwargs,
 
 
 def test_micro_batches_must_fill_accumulation(tokenizer, tiny_model):
-    trainer = make_trainer(tokenizer, tiny_model, batch_size=8, gradient_accumulation_steps=4)
-    with pytest.raises(ValueError, match="not a multiple of gradient_accumulation_steps=4"):
-        trainer.train()
+    with pytest.raises(ValueError, match=r"2 micro-batches per epoch \(16 completions / batch_size=8\).*=4"):
+        make_trainer(tokenizer, tiny_model, batch_size=8, gradient_accumulation_steps=4)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import random
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 from tensordict import TensorDict
@@ -13,6 +13,28 @@ from grpo_accel.rewards import RewardSet
 
 RESERVED_FIELDS = ("prompts", "completions", "completion_ids", "finish_reason")
 FINISH_NAMES = {code: name for name, code in K.FINISH_REASONS.items()}
+
+
+def score_rollout(td: TensorDict, rows: list[dict], group_size: int, tokenizer, rewards: RewardSet,
+                  prompt_field: str = "prompt") -> TensorDict:
+    """Rewards of a rollout whose groups come from ``rows`` (one row per group): decode, call every function."""
+    rows = [row for row in rows for _ in range(group_size)]
+    ids = [c[m.bool()].tolist() for c, m in zip(td[K.COMPLETION_IDS], td[K.COMPLETION_MASK])]
+    fields = {k: [row[k] for row in rows] for k in rows[0] if k != prompt_field}
+    return rewards(
+        [row[prompt_field] for row in rows],
+        tokenizer.batch_decode(ids, skip_special_tokens=True),
+        completion_ids=ids,
+        finish_reason=[FINISH_NAMES[int(r)] for r in td[K.FINISH_REASON]],
+        **fields,
+    )
+
+
+def _split_tied_groups(td: TensorDict, group_size: int) -> tuple[list[TensorDict], list[TensorDict]]:
+    """(groups whose rewards differ, groups whose rewards all tie), each group a TensorDict [G]."""
+    groups = [td[i : i + group_size] for i in range(0, td.shape[0], group_size)]
+    tied = [bool((g[K.REWARD] == g[K.REWARD][0]).all()) for g in groups]
+    return [g for g, t in zip(groups, tied) if not t], [g for g, t in zip(groups, tied) if t]
 
 
 class RolloutEngine(Protocol):
@@ -37,6 +59,11 @@ class GRPOCollector:
         group_size: completions per prompt (>= 2).
         max_prompt_tokens: a longer prompt is an error naming its row.
         scale_advantages / leave_one_out: see :func:`grpo_accel.loss.group_advantages`.
+        dynamic_sampling: drop groups whose rewards all tie (they carry no gradient) and sample more prompts
+            until the batch is full, for at most ``max_extra_rounds`` extra rounds; tied groups fill what is
+            still missing, so the batch size never changes. ``stats`` in the rollout reports the fraction dropped.
+        sync_any: with several processes, ``sync_any(flag)`` must return True on every process when any passed
+            True (an all-reduce), so that all take the same number of extra rounds.
 
     Example:
         >>> collector = GRPOCollector(engine, tok, rows, RewardSet({"answer": answer_match}),
@@ -60,6 +87,9 @@ class GRPOCollector:
         seed: int = 0,
         rank: int = 0,
         world_size: int = 1,
+        dynamic_sampling: bool = False,
+        max_extra_rounds: int = 4,
+        sync_any: Callable[[bool], bool] = bool,
     ) -> None:
         if group_size < 2:
             raise ValueError(
@@ -79,6 +109,7 @@ class GRPOCollector:
         self.prompt_field, self.max_prompt_tokens = prompt_field, max_prompt_tokens
         self.scale_advantages, self.leave_one_out = scale_advantages, leave_one_out
         self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.dynamic_sampling, self.max_extra_rounds, self.sync_any = dynamic_sampling, max_extra_rounds, sync_any
         self.epoch, self.position, self.batches = 0, 0, 0
         self._order = self._shuffled(0)
 
@@ -118,6 +149,26 @@ class GRPOCollector:
 
     def collect(self) -> TensorDict:
         """One scored rollout TensorDict [completions_per_batch] (keys: grpo_accel.batch)."""
+        td = self._collect_round()
+        if not self.dynamic_sampling:
+            return td
+        groups = self.prompts_per_batch // self.world_size
+        informative, tied = _split_tied_groups(td, self.group_size)
+        seen, rounds = td.shape[0] // self.group_size, 0
+        while rounds < self.max_extra_rounds and self.sync_any(len(informative) < groups):
+            rounds += 1
+            more = self._collect_round()
+            new_informative, new_tied = _split_tied_groups(more, self.group_size)
+            informative, tied, seen = informative + new_informative, tied + new_tied, seen + len(new_informative) + len(new_tied)
+        chosen = (informative + tied)[:groups]
+        out = K.concat_rollouts(chosen, pad_id=self.engine.pad_id if hasattr(self.engine, "pad_id") else 0)
+        n = out.shape[0]
+        out["stats"] = TensorDict({"dropped_group_fraction": torch.full((n,), len(tied) / seen),
+                                   "extra_rounds": torch.full((n,), float(rounds))}, batch_size=[n])
+        return out
+
+    def _collect_round(self) -> TensorDict:
+        """Generate and score the next global batch's share of this process."""
         global_indices = self._next_indices()
         share = self.prompts_per_batch // self.world_size
         indices = global_indices[self.rank * share : (self.rank + 1) * share]
@@ -135,16 +186,8 @@ class GRPOCollector:
         return td
 
     def _score(self, td: TensorDict, indices: list[int]) -> TensorDict:
-        rows = [self.rows[i] for i in indices for _ in range(self.group_size)]
-        ids = [c[m.bool()].tolist() for c, m in zip(td[K.COMPLETION_IDS], td[K.COMPLETION_MASK])]
-        fields = {k: [row[k] for row in rows] for k in rows[0] if k != self.prompt_field}
-        return self.rewards(
-            [row[self.prompt_field] for row in rows],
-            self.tokenizer.batch_decode(ids, skip_special_tokens=True),
-            completion_ids=ids,
-            finish_reason=[FINISH_NAMES[int(r)] for r in td[K.FINISH_REASON]],
-            **fields,
-        )
+        return score_rollout(td, [self.rows[i] for i in indices], self.group_size, self.tokenizer, self.rewards,
+                             self.prompt_field)
 
     def __iter__(self) -> Iterator[TensorDict]:
         while True:

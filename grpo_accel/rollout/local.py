@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Callable, ContextManager
 
 import torch
@@ -49,6 +50,7 @@ class EmbeddedEngine:
         self.eos_id = tokenizer.eos_token_id
         self.gather = gather or contextlib.nullcontext
         self.weight_version = 0
+        self.lock = threading.Lock()  # held while generating; a weight update waits for it (SGLang's writer lock)
         # Sampling is done by KeyedSampler (temperature, filters, keyed Gumbel noise) on top of greedy decoding.
         self.generation_config = GenerationConfig(
             do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
@@ -56,11 +58,13 @@ class EmbeddedEngine:
         )
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int] | None = None) -> TensorDict:
+    def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int] | None = None,
+                 greedy: bool = False) -> TensorDict:
         """Rollout TensorDict [len(prompt_ids) * group_size] (prompt, completion, engine logprobs, finish).
 
         ``seeds`` (one per prompt) fix each completion's random stream: completion j of a prompt with seed s
         is the same whatever else is generated with it. Without seeds, they are drawn from torch's RNG.
+        ``greedy`` takes the most likely token instead of sampling (evaluation).
         """
         repeated = [p for p in prompt_ids for _ in range(group_size)]
         ids = K.pad_sequences(repeated, self.pad_id, "left")  # [N, P]
@@ -70,16 +74,18 @@ class EmbeddedEngine:
         keys = torch.tensor([s * group_size + j for s in seeds for j in range(group_size)], dtype=torch.long)
         sampler = KeyedSampler(keys, ids.shape[1], self.temperature, self.top_k, self.top_p)
         device = next(self.model.parameters()).device
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with self.gather():
-                out = self.model.generate(
-                    input_ids=ids.to(device), attention_mask=mask.to(device),
-                    generation_config=self.generation_config, logits_processor=[sampler],
-                )
-        finally:
-            self.model.train(was_training)
+        with self.lock:
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                with self.gather():
+                    out = self.model.generate(
+                        input_ids=ids.to(device), attention_mask=mask.to(device),
+                        generation_config=self.generation_config, logits_processor=[] if greedy else [sampler],
+                    )
+            finally:
+                self.model.train(was_training)
+            version = self.weight_version
         completion = out.sequences[:, ids.shape[1] :]  # [N, C]
         is_eos = completion == self.eos_id
         after_eos = (is_eos.long().cumsum(1) - is_eos.long()) > 0  # strictly after the first EOS
@@ -98,17 +104,27 @@ class EmbeddedEngine:
                 K.COMPLETION_MASK: completion_mask.cpu(),
                 K.ENGINE_LOGPROBS: (logprobs * completion_mask).float().cpu(),
                 K.FINISH_REASON: finish.cpu(),
-                K.WEIGHT_VERSION: torch.full((n,), self.weight_version, dtype=torch.long),
+                K.WEIGHT_VERSION: torch.full((n,), version, dtype=torch.long),
             },
             batch_size=[n],
         )
 
 
 class EmbeddedWeightSync:
-    """Weight-sync sender for the embedded engine: weights are shared, so an update only bumps the version."""
+    """Weight-sync sender for the embedded engine.
 
-    def __init__(self, engine: EmbeddedEngine) -> None:
-        self.engine = engine
+    When the engine generates from the trained model itself (synchronous GRPO), an update only bumps the
+    version. When it has its own copy (``source`` is the trained model; asynchronous collection), the update
+    copies the weights into it, waiting for the generation in progress to finish, like SGLang's writer lock.
+    """
 
+    def __init__(self, engine: EmbeddedEngine, source: nn.Module | None = None) -> None:
+        self.engine, self.source = engine, source
+
+    @torch.no_grad()
     def update_weights(self) -> None:
-        self.engine.weight_version += 1
+        with self.engine.lock:
+            if self.source is not None and self.source is not self.engine.model:
+                for dst, src in zip(self.engine.model.parameters(), self.source.parameters(), strict=True):
+                    dst.copy_(src.detach())
+            self.engine.weight_version += 1

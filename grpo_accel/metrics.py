@@ -1,0 +1,42 @@
+"""Scalars of a batch, reduced over every process (the trainer logs them under train/)."""
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from grpo_accel import batch as K
+
+
+def mean_over_processes(accelerator, stats: dict[str, float]) -> dict[str, float]:
+    """Each scalar averaged over processes (one all-reduce)."""
+    if not stats:
+        return {}
+    keys = sorted(stats)
+    values = accelerator.reduce(torch.tensor([stats[k] for k in keys], device=accelerator.device), reduction="mean")
+    return dict(zip(keys, values.tolist()))
+
+
+def rollout_scalars(accelerator, rollout: TensorDict, with_rewards: bool = True) -> dict[str, float]:
+    """Reward (total and per function), completion length, truncation and weight version over all processes."""
+    keys = [K.REWARD] + [(K.REWARDS, name) for name in rollout[K.REWARDS].keys()]
+    columns = [rollout[k].float() for k in keys] + [
+        rollout[K.COMPLETION_MASK].sum(-1).float(),
+        (rollout[K.FINISH_REASON] == K.FINISH_LENGTH).float(),
+        rollout[K.WEIGHT_VERSION].float(),
+    ]
+    every = accelerator.gather(torch.stack(columns, dim=1).to(accelerator.device))  # [n * processes, k]
+    n = len(keys)
+    out = {
+        "train/completion_length_mean": float(every[:, n].mean()),
+        "train/truncated_fraction": float(every[:, n + 1].mean()),
+        "train/weight_version_mean": float(every[:, n + 2].mean()),
+    }
+    if "stats" in rollout.keys():  # e.g. dynamic sampling: one value per row, averaged
+        for name in rollout["stats"].keys():
+            out[f"train/{name}"] = float(accelerator.gather(rollout["stats", name].float().to(accelerator.device)).mean())
+    if with_rewards:
+        out["train/reward_mean"], out["train/reward_std"] = float(every[:, 0].mean()), float(every[:, 0].std())
+        for j, key in enumerate(keys[1:], start=1):
+            out[f"train/reward/{key[1]}_mean"] = float(every[:, j].mean())
+            out[f"train/reward/{key[1]}_std"] = float(every[:, j].std())
+    return out

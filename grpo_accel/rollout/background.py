@@ -1,0 +1,56 @@
+"""Asynchronous collection: a thread generates the next batch while the trainer optimises the current one."""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Iterator
+
+from tensordict import TensorDict
+
+_DONE = object()
+
+
+class BackgroundCollector:
+    """Runs ``collector.collect()`` in a daemon thread, at most ``prefetch`` batches ahead of the consumer.
+
+    A batch is started only once a slot is free (the consumer took an earlier one), so with ``prefetch=1`` a
+    batch is generated during the optimisation of the previous one: it is one weight version old when used.
+    An exception in the thread is re-raised in the consumer. The collector's engine must not share weights
+    that the trainer is updating (give it a copy updated by a weight-sync sender, as with an inference server).
+    """
+
+    def __init__(self, collector, prefetch: int = 1) -> None:
+        self.collector = collector
+        self._queue: queue.Queue = queue.Queue()
+        self._slots = threading.Semaphore(prefetch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="grpo-collector", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._slots.acquire()
+                if self._stop.is_set():
+                    return
+                self._queue.put(self.collector.collect())
+        except BaseException as exc:  # handed to the consumer
+            self._queue.put(exc)
+        finally:
+            self._queue.put(_DONE)
+
+    def __iter__(self) -> Iterator[TensorDict]:
+        while True:
+            item = self._queue.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise RuntimeError(f"background collection failed: {item}") from item
+            self._slots.release()  # the next batch may start now
+            yield item
+
+    def close(self) -> None:
+        """Stop after the batch in progress (if any) and wait for the thread."""
+        self._stop.set()
+        self._slots.release()
+        self._thread.join()

@@ -1,0 +1,71 @@
+"""The optimization stepper: autocast, backward, clipping, optimizer step, through an Accelerator."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class MixedPrecisionOptimizationStepper:
+    """Backward / clip / step / zero_grad with autocast and (fp16) a gradient scaler.
+
+    Accelerate autocasts on GPUs (with its scaler for fp16) and in bf16 on CPU. It runs fp16 on CPU silently
+    in float32, so that case is done here: ``torch.autocast("cpu", float16)`` and a ``torch.amp.GradScaler``.
+
+    A custom stepper passed as ``optimization_stepper`` provides the same members: ``optimizer`` (prepared by
+    the trainer with the loss module), ``bind``, ``autocast``, ``backward``, ``step``, ``state_dict`` and
+    ``load_state_dict``.
+
+    Example:
+        >>> stepper = MixedPrecisionOptimizationStepper(torch.optim.AdamW(model.parameters()), clip_norm=1.0)
+        >>> GRPOTrainer(..., optimization_stepper=stepper)
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, clip_norm: float | None = 1.0,
+                 mixed_precision: bool = False, autocast_dtype: torch.dtype = torch.bfloat16) -> None:
+        self.optimizer, self.clip_norm = optimizer, clip_norm
+        self.mixed_precision, self.autocast_dtype = mixed_precision, autocast_dtype
+        self.accelerator = self.module = self.scaler = None
+
+    def bind(self, accelerator, module: torch.nn.Module) -> None:
+        """Called by the trainer once ``module`` and ``optimizer`` are prepared."""
+        self.accelerator, self.module = accelerator, module
+        own_fp16 = (self.mixed_precision and self.autocast_dtype == torch.float16 and not accelerator.native_amp
+                    and accelerator.distributed_type.name != "DEEPSPEED")
+        self.scaler = torch.amp.GradScaler(accelerator.device.type) if own_fp16 else None
+
+    def autocast(self):
+        if self.scaler is not None:
+            return torch.autocast(self.accelerator.device.type, dtype=torch.float16)
+        return self.accelerator.autocast() if self.mixed_precision else contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(self.scaler.scale(loss) if self.scaler is not None else loss)
+
+    def step(self) -> dict[str, float]:
+        """Call after every micro-batch's backward; clips and steps only when gradients are synchronised."""
+        stats: dict[str, float] = {}
+        if not self.accelerator.sync_gradients:
+            self.optimizer.step()  # Accelerate's wrapper skips it while accumulating (DeepSpeed steps in backward)
+            return stats
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        if self.clip_norm:
+            norm = self.accelerator.clip_grad_norm_(self.module.parameters(), self.clip_norm)
+            if norm is not None:
+                stats["grad_norm"] = float(norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            stats["loss_scale"] = float(self.scaler.get_scale())
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad()
+        return stats
+
+    def state_dict(self) -> dict:
+        return {"scaler": self.scaler.state_dict() if self.scaler is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
