@@ -79,7 +79,15 @@ class DataConfig:
 @dataclass
 class RolloutConfig:
     backend: str = "embedded"
-    """Inference engine: "embedded" (transformers generate in the trainer process)."""
+    """Inference engine: "embedded" (transformers generate in the trainer process) or "sglang" (HTTP servers)."""
+    urls: list[str] = field(default_factory=list)
+    """SGLang: one server URL per engine replica, e.g. [http://10.0.0.2:30000]."""
+    api_key: str | None = None
+    """SGLang: sent as a bearer token (the server's --api-key / admin key)."""
+    health_timeout_s: float = 300.0
+    """SGLang: how long to wait for /health on every server at start."""
+    request_retries: int = 3
+    """SGLang: retries (exponential backoff) for 5xx answers, unreachable servers and aborted requests."""
     prompts_per_step: int = 16
     """Prompts per collected batch, over all processes."""
     group_size: int = 8
@@ -103,7 +111,9 @@ class RolloutConfig:
     instead of DeepSpeed fetching each module's shards at every decoding step (memory bounded by a module)."""
 
     def __post_init__(self) -> None:
-        _choice("rollout.backend", self.backend, ("embedded",))
+        _choice("rollout.backend", self.backend, ("embedded", "sglang"))
+        _check(self.backend != "sglang" or bool(self.urls), "rollout.urls", self.urls,
+               "rollout.backend=sglang needs the server URLs, e.g. rollout.urls=[http://host:30000].")
         _check(self.group_size >= 2, "rollout.group_size", self.group_size,
                "GRPO compares completions within a group, so it needs at least 2 (8-16 is common).")
         _check(self.prompts_per_step >= 1, "rollout.prompts_per_step", self.prompts_per_step, "must be >= 1.")
@@ -215,6 +225,40 @@ class GRPOTrainerConfig:
 
 
 @dataclass
+class WeightSyncConfig:
+    """How trained weights reach SGLang servers (rollout.backend=sglang)."""
+
+    method: str = "distributed"
+    """distributed (NCCL/gloo broadcast), disk (safetensors + /update_weights_from_disk) or tensor (CUDA IPC)."""
+    bucket_mb: float = 512.0
+    """Megabytes per bucket: bounds the extra memory of the ZeRO-3 gather on every rank."""
+    layout: str = "per_tensor"
+    """distributed: per_tensor (one broadcast per tensor) or flattened_bucket (one per bucket)."""
+    backend: str = "auto"
+    """distributed: nccl, gloo, or auto (nccl when CUDA is available)."""
+    master_address: str = "127.0.0.1"
+    """distributed: address of training rank 0 that the servers connect to."""
+    master_port: int = 29600
+    dtype: str = "bfloat16"
+    """dtype the servers hold the weights in."""
+    disk_path: str | None = None
+    """disk: folder the servers can read (default output_dir/weights)."""
+    verify_names: int = 2
+    """After each update, compare this many parameters with /get_weights_by_name (0: off)."""
+    max_attempts: int = 2
+    """Full pushes tried before stopping with an error and a checkpoint."""
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        _choice("weight_sync.method", self.method, ("distributed", "disk", "tensor"))
+        _choice("weight_sync.layout", self.layout, ("per_tensor", "flattened_bucket"))
+        _choice("weight_sync.backend", self.backend, ("auto", "nccl", "gloo"))
+        _choice("weight_sync.dtype", self.dtype, ("bfloat16", "float16", "float32"))
+        _check(self.bucket_mb > 0, "weight_sync.bucket_mb", self.bucket_mb, "must be > 0.")
+        _check(self.max_attempts >= 1, "weight_sync.max_attempts", self.max_attempts, "must be >= 1.")
+
+
+@dataclass
 class EvalConfig:
     every_iterations: int = 0
     """Evaluate every this many iterations on the held-out rows; 0 turns evaluation off."""
@@ -288,6 +332,7 @@ class GRPOConfig:
     trainer: GRPOTrainerConfig = field(default_factory=GRPOTrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
     def __post_init__(self) -> None:
         _check(bool(self.rewards), "rewards", self.rewards, "list at least one reward function.")

@@ -398,7 +398,11 @@ class GRPOTrainer:
         """Push the weights to the engine (sync: once per collected batch), then empty the buffer if asked."""
         with self._timed("weight_sync"):
             if self.weight_sync_sender is not None:
-                self.weight_sync_sender.update_weights()
+                try:
+                    self.weight_sync_sender.update_weights()
+                except Exception:
+                    self.save_checkpoint("weight sync failed")  # the engines' weights are unknown: keep the run
+                    raise
             self.weight_version += 1
         if self.empty_replay_buffer_on_weight_update:
             self.replay_buffer.empty()

@@ -33,11 +33,10 @@ def build_trainer(cfg: GRPOConfig):
     from grpo_accel.build import build_rewards, build_rows, build_tokenizer_and_model
     from grpo_accel.checkpoint import Checkpoint, CheckpointRotation
     from grpo_accel.config import ConfigError, resume_conflicts
-    from grpo_accel.distributed import gathered_parameters, preflight
+    from grpo_accel.distributed import preflight
     from grpo_accel.evaluation import Evaluator
     from grpo_accel.loss import GRPOLoss
     from grpo_accel.rollout.collector import GRPOCollector
-    from grpo_accel.rollout.local import EmbeddedEngine, EmbeddedWeightSync
     from grpo_accel.runtime import make_accelerator
     from grpo_accel.tracking import TensorBoardLogger
     from grpo_accel.trainer import GRPOTrainer
@@ -67,11 +66,7 @@ def build_trainer(cfg: GRPOConfig):
     log.info("process group ready: rank %d of %d (%s)", accelerator.process_index, accelerator.num_processes,
              accelerator.distributed_type.name)
     log.info(cfg.describe_batch_layout(accelerator.num_processes))
-    # Async collection generates while the policy is updated, so the engine needs its own copy of the weights.
-    engine_model = copy.deepcopy(model) if t.async_collection else model
-    engine = EmbeddedEngine(engine_model, tokenizer, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                            top_p=r.top_p, top_k=r.top_k,
-                            gather=(lambda: gathered_parameters(model)) if r.zero3_gather_full else None)
+    engine, sender = build_engine_and_sender(cfg, model, tokenizer, accelerator)
     rewards = build_rewards(cfg.rewards)
 
     def any_process(flag: bool) -> bool:
@@ -95,7 +90,7 @@ def build_trainer(cfg: GRPOConfig):
     logger = TensorBoardLogger(Path(cfg.output_dir) / "tensorboard") if accelerator.is_main_process else None
     trainer = GRPOTrainer(
         collector=collector, total_frames=t.total_frames, optim_steps_per_batch=t.optim_steps_per_batch,
-        loss_module=loss, optimizer=optimizer, weight_sync_sender=EmbeddedWeightSync(engine, source=model),
+        loss_module=loss, optimizer=optimizer, weight_sync_sender=sender,
         weight_update_frequency=t.weight_update_frequency, async_collection=t.async_collection,
         max_staleness=t.max_staleness,
         empty_replay_buffer_on_weight_update=t.empty_replay_buffer_on_weight_update,
@@ -116,6 +111,41 @@ def build_trainer(cfg: GRPOConfig):
     return trainer
 
 
+def build_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
+    """The rollout engine and the weight-sync sender that keeps it current."""
+    import torch
+
+    r, w = cfg.rollout, cfg.weight_sync
+    if r.backend == "sglang":
+        from grpo_accel.rollout.sglang import SGLangEngine
+        from grpo_accel.weight_sync import sglang as senders
+
+        engine = SGLangEngine(r.urls, tokenizer, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                              top_p=r.top_p, top_k=r.top_k, api_key=r.api_key, health_timeout_s=r.health_timeout_s,
+                              retries=r.request_retries)
+        common = dict(api_key=r.api_key, bucket_mb=w.bucket_mb, dtype=getattr(torch, w.dtype),
+                      max_attempts=w.max_attempts, verify_names=w.verify_names, timeout_s=w.timeout_s)
+        if w.method == "distributed":
+            sender = senders.DistributedWeightSender(accelerator, model, r.urls, master_address=w.master_address,
+                                                     master_port=w.master_port, backend=w.backend, layout=w.layout,
+                                                     **common)
+        elif w.method == "disk":
+            sender = senders.DiskWeightSender(accelerator, model, r.urls, w.disk_path or Path(cfg.output_dir) / "weights",
+                                              **common)
+        else:
+            sender = senders.TensorWeightSender(accelerator, model, r.urls, **common)
+        return engine, sender
+    from grpo_accel.distributed import gathered_parameters
+    from grpo_accel.rollout.local import EmbeddedEngine, EmbeddedWeightSync
+
+    # Async collection generates while the policy is updated, so the engine needs its own copy of the weights.
+    engine_model = copy.deepcopy(model) if cfg.trainer.async_collection else model
+    engine = EmbeddedEngine(engine_model, tokenizer, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                            top_p=r.top_p, top_k=r.top_k,
+                            gather=(lambda: gathered_parameters(model)) if r.zero3_gather_full else None)
+    return engine, EmbeddedWeightSync(engine, source=model)
+
+
 def summarize(trainer, wall_s: float) -> dict:
     from grpo_accel.distributed import local_parameter_fraction, zero_stage
 
@@ -128,6 +158,8 @@ def summarize(trainer, wall_s: float) -> dict:
         "zero_stage": zero_stage(acc),
         "param_fraction_on_rank0": round(local_parameter_fraction(trainer.loss_module), 4),
         "iterations": len(trainer.history),
+        "weight_sync_s": round(getattr(trainer.weight_sync_sender, "last_sync_s", 0.0), 4),
+        "weight_sync_peak_extra_bytes": getattr(getattr(trainer.weight_sync_sender, "gather", None), "peak_extra_bytes", 0),
         "final_iteration": trainer.iterations,
         "stop_reason": trainer._stop_reason,
         "reward_first10_mean": sum(rewards[:k]) / max(k, 1),

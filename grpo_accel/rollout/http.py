@@ -1,0 +1,80 @@
+"""A small JSON-over-HTTP client for SGLang servers: bearer key, bounded retries with backoff, clear errors."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+
+logger = logging.getLogger(__name__)
+
+
+class ServerError(RuntimeError):
+    """The server answered with an error (message included) or could not be reached."""
+
+
+class HTTPClient:
+    """``post``/``get`` JSON to one server. 5xx answers and connection errors are retried ``retries`` times with
+    exponential backoff (``backoff_s`` doubling); 4xx answers are the caller's fault and raise at once with the
+    server's message."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0, retries: int = 3,
+                 backoff_s: float = 0.5) -> None:
+        self.url, self.api_key, self.timeout_s = url.rstrip("/"), api_key, timeout_s
+        self.retries, self.backoff_s = retries, backoff_s
+
+    def _request(self, method: str, path: str, body: dict | None, retries: int | None = None):
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        attempts = 1 + (self.retries if retries is None else retries)
+        for attempt in range(attempts):
+            request = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                    text = response.read().decode()
+                    return json.loads(text) if text.strip().startswith(("{", "[")) else text
+            except urllib.error.HTTPError as exc:
+                message = _error_message(exc)
+                if exc.code < 500 or attempt == attempts - 1:
+                    raise ServerError(f"{method} {self.url}{path} -> HTTP {exc.code}: {message}") from exc
+                logger.warning("%s %s%s -> HTTP %d (%s); retry %d/%d", method, self.url, path, exc.code, message,
+                               attempt + 1, attempts - 1)
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+                if attempt == attempts - 1:
+                    raise ServerError(f"{method} {self.url}{path}: cannot reach the server ({exc})") from exc
+                logger.warning("%s %s%s failed (%s); retry %d/%d", method, self.url, path, exc, attempt + 1, attempts - 1)
+            time.sleep(self.backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def post(self, path: str, body: dict, retries: int | None = None):
+        return self._request("POST", path, body, retries)
+
+    def get(self, path: str, retries: int | None = None):
+        return self._request("GET", path, None, retries)
+
+    def wait_healthy(self, timeout_s: float, poll_s: float = 0.5) -> None:
+        """Block until ``GET /health`` answers 200, or raise after ``timeout_s`` naming the URL."""
+        deadline = time.monotonic() + timeout_s
+        last = None
+        while time.monotonic() < deadline:
+            try:
+                self.get("/health", retries=0)
+                return
+            except ServerError as exc:
+                if "HTTP 401" in str(exc) or "HTTP 403" in str(exc):  # waiting will not help
+                    raise ServerError(f"{exc}; check rollout.api_key.") from exc
+                last = exc
+                time.sleep(poll_s)
+        raise ServerError(f"SGLang server {self.url} was not healthy after {timeout_s:.0f} s (last error: {last}); "
+                          "check that it is running and rollout.urls is right, or raise rollout.health_timeout_s.")
+
+
+def _error_message(exc: urllib.error.HTTPError) -> str:
+    try:
+        body = json.loads(exc.read().decode())
+        return body.get("error", {}).get("message") or body.get("message") or json.dumps(body)
+    except Exception:
+        return exc.reason
