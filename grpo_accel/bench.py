@@ -1,0 +1,193 @@
+"""Benchmark: every phase of a GRPO step against its limit, on a chosen model size.
+
+    python -m grpo_accel.bench --size 10m --steps 5 --warmup 2 --out bench.json
+    accelerate launch --config_file accelerate_configs/single_process.yaml -m grpo_accel.bench --size 100m
+
+Per step: generation (embedded engine), rewards, the forward-only logprob pass (pi_old, as with
+num_epochs > 1), and the training phase (GRPOTrainer's optimisation of the batch). Reported: median and
+spread of each phase, generated tokens/s, training tokens/s, the training phase's achieved FLOP/s
+(6 x parameters x tokens) over the peak measured in the same run by a matmul of the model's dtype and hidden
+size (the MFU, on CPU as on GPU), peak memory, and the trainer's overhead: its training phase over a bare
+Accelerate forward/backward/step loop on the same micro-batches in the same run. Not a test: numbers only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+
+import torch
+
+from grpo_accel import batch as K
+
+SIZES = {  # hidden, layers, heads, intermediate: built-in Llama sizes (random weights)
+    "1m": (128, 4, 4, 512),
+    "10m": (256, 8, 8, 1024),
+    "30m": (512, 8, 8, 2048),
+    "100m": (768, 12, 12, 3072),
+    "500m": (1024, 30, 16, 4096),
+}
+
+
+def peak_flops(hidden: int, dtype: torch.dtype, device: torch.device, seconds: float = 1.0) -> float:
+    """FLOP/s of a [4096, h] x [h, h] matmul in ``dtype``, best of repeated runs for about ``seconds``."""
+    a = torch.randn(4096, hidden, device=device, dtype=dtype)
+    b = torch.randn(hidden, hidden, device=device, dtype=dtype)
+    best, deadline = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        _sync(device)
+        best = min(best, (time.perf_counter() - start) / 4)
+    return 2 * 4096 * hidden * hidden / best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(device, fn):
+    _sync(device)
+    start = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - start
+
+
+def bare_step(accelerator, model, optimizer, micro_batches, temperature: float) -> None:
+    """The reference: forward, token logprobs, a policy-gradient loss, backward, clip, step. Nothing else."""
+    from grpo_accel.logprobs import sequence_logprobs
+
+    for mb in micro_batches:
+        mask = mb[K.COMPLETION_MASK].float()
+        logp = sequence_logprobs(model, mb[K.PROMPT_IDS], mb[K.PROMPT_MASK], mb[K.COMPLETION_IDS],
+                                 mb[K.COMPLETION_MASK], temperature)
+        loss = -(logp * mb[K.ADVANTAGES][:, None] * mask).sum() / mask.sum()
+        accelerator.backward(loss)
+    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def run(args) -> dict:
+    import copy
+
+    from grpo_accel.loss import GRPOLoss
+    from grpo_accel.rewards import RewardSet, answer_match, format_match
+    from grpo_accel.rollout.collector import GRPOCollector, score_rollout
+    from grpo_accel.rollout.local import EmbeddedEngine, EmbeddedWeightSync
+    from grpo_accel.runtime import configure_threads, make_accelerator
+    from grpo_accel.tasks.addition import addition_rows
+    from grpo_accel.tasks.tiny import TinyModelSpec, build_char_tokenizer, build_tiny_model
+    from grpo_accel.trainer import GRPOTrainer
+
+    threads = configure_threads()
+    dtype = getattr(torch, args.dtype)
+    tokenizer = build_char_tokenizer()
+    hidden, layers, heads, inter = SIZES[args.size]
+    model = build_tiny_model(tokenizer, TinyModelSpec(hidden, layers, heads, inter, max_positions=256), seed=0).to(dtype)
+    bare_model = copy.deepcopy(model)
+    accelerator = make_accelerator()
+    device = accelerator.device
+    rows = addition_rows(9)[0]
+    engine = EmbeddedEngine(model, tokenizer, max_new_tokens=args.max_new_tokens)
+    engine.generation_config.min_new_tokens = args.max_new_tokens if args.fixed_length else None
+    rewards = RewardSet({"answer_match": answer_match, "format_match": format_match})
+    collector = GRPOCollector(engine, tokenizer, rows, rewards, prompts_per_batch=args.prompts, group_size=args.group)
+    loss = GRPOLoss(model)
+    trainer = GRPOTrainer(collector=collector, total_frames=10**9, loss_module=loss,
+                          optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5), batch_size=args.micro_batch,
+                          weight_sync_sender=EmbeddedWeightSync(engine), empty_replay_buffer_on_weight_update=True,
+                          accelerator=accelerator)
+    bare_opt = torch.optim.AdamW(bare_model.parameters(), lr=1e-5)
+    bare_model, bare_opt = accelerator.prepare(bare_model, bare_opt)
+    n_params = sum(p.numel() for p in model.parameters())
+    phases: dict[str, list[float]] = {k: [] for k in ("generate", "reward", "logprob_pass", "train", "bare_train")}
+    tokens = {"generated": [], "trained": []}
+    for step in range(args.warmup + args.steps):
+        indices = collector._next_indices()[: args.prompts]
+        prompts = [collector._encode(i) for i in indices]
+        td, t_gen = _timed(device, lambda: engine.generate(prompts, args.group, seeds=list(range(len(prompts)))))
+        scores, t_rew = _timed(device, lambda: score_rollout(td, [rows[i] for i in indices], args.group, tokenizer, rewards))
+        td.update(scores)
+        td[K.ADVANTAGES] = torch.randn(td.shape[0])
+        td = td.to(device)
+        _, t_lp = _timed(device, lambda: torch.no_grad()(loss.add_old_logprobs)(K.trim_padding(td)))
+        trainer.replay_buffer.extend(td)
+        micro = [mb.to(device) for mb in trainer.replay_buffer]
+        trainer.replay_buffer.empty()
+        trainer.replay_buffer.extend(td)
+        _, t_train = _timed(device, trainer._optimise)
+        trainer.replay_buffer.empty()
+        _, t_bare = _timed(device, lambda: bare_step(accelerator, bare_model, bare_opt, micro, 1.0))
+        if step >= args.warmup:
+            for name, value in zip(phases, (t_gen, t_rew, t_lp, t_train, t_bare)):
+                phases[name].append(value)
+            tokens["generated"].append(int(td[K.COMPLETION_MASK].sum()))
+            tokens["trained"].append(int(td[K.COMPLETION_MASK].sum() + td[K.PROMPT_MASK].sum()))
+    peak = peak_flops(hidden, dtype, device)
+    median = {k: statistics.median(v) for k, v in phases.items()}
+    trained = statistics.median(tokens["trained"])
+    flops_train = 6 * n_params * trained
+    return {
+        "size": args.size, "parameters": n_params, "dtype": args.dtype, "device": str(device), "threads": threads,
+        "prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens, "steps": args.steps,
+        "phase_median_s": median,
+        "phase_spread_s": {k: [min(v), max(v)] for k, v in phases.items()},
+        "generated_tokens_per_s": statistics.median(tokens["generated"]) / median["generate"],
+        "train_tokens_per_s": trained / median["train"],
+        "peak_flops": peak,
+        "mfu_train": flops_train / median["train"] / peak,
+        "mfu_bare": flops_train / median["bare_train"] / peak,
+        "mfu_logprob_pass": 2 * n_params * trained / median["logprob_pass"] / peak,
+        "trainer_overhead": median["train"] / median["bare_train"],
+        "peak_memory_mb": (torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda"
+                           else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+    }
+
+
+def table(result: dict) -> str:
+    lines = [f"model {result['size']} ({result['parameters'] / 1e6:.1f}M params, {result['dtype']}, "
+             f"{result['device']}, {result['threads']} threads), {result['prompts']} prompts x {result['group']}",
+             f"{'phase':<14}{'median s':>10}{'min s':>10}{'max s':>10}"]
+    for name, med in result["phase_median_s"].items():
+        lo, hi = result["phase_spread_s"][name]
+        lines.append(f"{name:<14}{med:>10.4f}{lo:>10.4f}{hi:>10.4f}")
+    lines += [f"generated tokens/s {result['generated_tokens_per_s']:.0f}   training tokens/s "
+              f"{result['train_tokens_per_s']:.0f}",
+              f"MFU train {result['mfu_train']:.3f}   bare loop {result['mfu_bare']:.3f}   logprob pass "
+              f"{result['mfu_logprob_pass']:.3f}   (peak {result['peak_flops'] / 1e9:.1f} GFLOP/s measured)",
+              f"trainer overhead {result['trainer_overhead']:.3f} x bare Accelerate loop   peak memory "
+              f"{result['peak_memory_mb']:.0f} MB"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=sorted(SIZES), default="1m")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--micro-batch", type=int, default=64, help="completions per micro-batch")
+    parser.add_argument("--fixed-length", action="store_true", help="generate exactly max-new-tokens per completion")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--out", help="write the result as JSON here")
+    args = parser.parse_args(argv)
+    result = run(args)
+    sys.stdout.write(table(result) + "\n")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
