@@ -12,7 +12,7 @@ announced (tensors in ``names`` order with the announced dtype/shape, or one uin
 requests run; an update waits for in-flight /generate requests unless generation is paused (writer lock).
 
 Test control, outside the protocol: ``POST /_standin/fail {"path": "/update_weights_from_distributed",
-"times": 1, "how": "success_false" | "http_500"}`` makes the next calls of ``path`` fail (a distributed update
+"times": 1, "how": "success_false" | "http_500" | "abort"}`` makes the next calls of ``path`` fail (a distributed update
 still receives its tensors first, as a failing SGLang load would);
 ``GET /_standin/state`` returns the weight version, the number of updates and every parameter as lists.
 """
@@ -251,6 +251,12 @@ def make_handler(server: Server):
             how = failures.pop(0) if failures else None
             if how == "http_500":
                 return self._send(500, {"error": {"message": "injected failure"}})
+            if how == "abort" and path == "/generate":  # SGLang aborted the requests (e.g. a pause with mode=abort)
+                items = server.generate(body)
+                for item in items if isinstance(items, list) else [items]:
+                    item["meta_info"]["finish_reason"] = {"type": "abort", "message": "Abort before prefill",
+                                                          "status_code": 503, "err_type": None}
+                return self._send(200, items)
             if how == "success_false" and path != "/update_weights_from_distributed":
                 return self._send(200, {"success": False, "message": "injected failure; weights may be partially updated"})
             try:

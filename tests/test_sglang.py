@@ -65,6 +65,12 @@ def test_transient_failures_are_retried_and_aborts_too(server, tokenizer):
     client.post("/_standin/fail", {"path": "/generate", "times": 5, "how": "http_500"})
     with pytest.raises(ServerError, match="HTTP 500: injected failure"):
         SGLangEngine([server], tokenizer, max_new_tokens=3, retries=2, backoff_s=0.01).generate([[7]], 2)
+    client.post("/_standin/fail", {"path": "/generate", "times": 1, "how": "abort"})
+    td = engine.generate([[7, 14, 8, 17]], 2, seeds=[0])
+    assert (td[K.FINISH_REASON] != K.FINISH_ABORT).all(), "an aborted batch is generated again"
+    client.post("/_standin/fail", {"path": "/generate", "times": 9, "how": "abort"})
+    with pytest.raises(ServerError, match="kept aborting \\(Abort before prefill, status 503\\) after 3 retries"):
+        engine.generate([[7]], 2)
 
 
 def test_api_key_and_health_wait(model_dir, tokenizer):
