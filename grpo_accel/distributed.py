@@ -107,6 +107,18 @@ def configure_deepspeed(ds_config: dict, *, micro_batch: int, accumulation: int,
     return ds_config
 
 
+def configure_deepspeed_for(accelerator, module, *, micro_batch: int, accumulation: int,
+                            clip_norm: float | None) -> None:
+    """Under DeepSpeed, write the trainer's values into the plugin's config before ``prepare`` (else nothing).
+    ``module`` (the loss) lends its policy's hidden size to the buckets left at "auto"."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None:
+        config = getattr(getattr(module, "policy", None), "config", None)
+        configure_deepspeed(plugin.deepspeed_config, micro_batch=micro_batch, accumulation=accumulation,
+                            num_processes=accelerator.num_processes, clip_norm=clip_norm,
+                            hidden_size=getattr(config, "hidden_size", None))
+
+
 def zero_stage(accelerator) -> int:
     """The ZeRO stage of ``accelerator`` (0 without DeepSpeed)."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)

@@ -27,11 +27,11 @@ from grpo_accel import batch as K
 from grpo_accel.buffer import ReplayBuffer
 from grpo_accel.checkpoint import (Checkpoint, CheckpointError, RunCheckpointer, load_trainer_payload,
                                    parameter_signature, save_trainer_payload)
-from grpo_accel.distributed import configure_deepspeed, zero_stage
+from grpo_accel.distributed import configure_deepspeed_for, zero_stage
 from grpo_accel.hooks import Hooks
 from grpo_accel.loss import distributed_normalizer
 from grpo_accel.metrics import mean_over_processes, rollout_scalars
-from grpo_accel.runtime import stop_on_signals
+from grpo_accel.runtime import make_accelerator, stop_on_signals
 from grpo_accel.stepper import MixedPrecisionOptimizationStepper
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,12 @@ class GRPOTrainer:
             from accelerate.utils import set_seed
 
             set_seed(seed)
-        self.accelerator = accelerator or _accelerator(gradient_accumulation_steps, mixed_precision, autocast_dtype)
+        if accelerator is None:
+            modes = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+            _require(not mixed_precision or autocast_dtype in modes, "autocast_dtype", autocast_dtype,
+                     "use torch.bfloat16 or torch.float16")
+            accelerator = make_accelerator(gradient_accumulation_steps, modes[autocast_dtype] if mixed_precision else "no")
+        self.accelerator = accelerator
         acc = self.accelerator
         _require(acc.gradient_accumulation_steps == gradient_accumulation_steps, "gradient_accumulation_steps",
                  gradient_accumulation_steps, f"the given accelerator accumulates {acc.gradient_accumulation_steps}")
@@ -138,7 +143,8 @@ class GRPOTrainer:
         self.async_collection, self.max_staleness = async_collection, max_staleness
         self.stepper = optimization_stepper or MixedPrecisionOptimizationStepper(
             optimizer, clip_norm, mixed_precision, autocast_dtype)
-        self._configure_deepspeed(loss_module, clip_norm)
+        configure_deepspeed_for(acc, loss_module, micro_batch=self.replay_buffer.batch_size,
+                                accumulation=gradient_accumulation_steps, clip_norm=clip_norm)
         self.loss_module, self.stepper.optimizer = acc.prepare(loss_module, self.stepper.optimizer)
         self.stepper.bind(acc, self.loss_module)
         self.device = torch.device(device) if device is not None else acc.device
@@ -419,16 +425,6 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------- saving and stopping
 
-    def _configure_deepspeed(self, loss_module: torch.nn.Module, clip_norm: float | None) -> None:
-        """Under DeepSpeed, the trainer's batch size, accumulation and clipping go into its config."""
-        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        if plugin is None:
-            return
-        config = getattr(getattr(loss_module, "policy", None), "config", None)
-        configure_deepspeed(plugin.deepspeed_config, micro_batch=self.replay_buffer.batch_size,
-                            accumulation=self.gradient_accumulation_steps, num_processes=self.accelerator.num_processes,
-                            clip_norm=clip_norm, hidden_size=getattr(config, "hidden_size", None))
-
     def _resume(self, path: Path, strict: bool = True) -> None:
         checkpointer = self._checkpointer or RunCheckpointer(self.accelerator, Checkpoint(Path(path).parent))
         state = checkpointer.load(path, signature=self._signature(), strict=strict)
@@ -503,15 +499,6 @@ class GRPOTrainer:
         self.hooks.seconds.clear()
         self.history.append(scalars)
         self.log_scalars(scalars)
-
-
-def _accelerator(gradient_accumulation_steps: int, mixed_precision: bool, autocast_dtype: torch.dtype):
-    from grpo_accel.runtime import make_accelerator
-
-    modes = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-    _require(not mixed_precision or autocast_dtype in modes, "autocast_dtype", autocast_dtype,
-             "use torch.bfloat16 or torch.float16")
-    return make_accelerator(gradient_accumulation_steps, modes[autocast_dtype] if mixed_precision else "no")
 
 
 def _require(ok: bool, name: str, value, fix: str) -> None:
