@@ -120,9 +120,7 @@ def run(args) -> dict:
         td = td.to(device)
         _, t_lp = _timed(device, lambda: torch.no_grad()(loss.add_old_logprobs)(K.trim_padding(td)))
         trainer.replay_buffer.extend(td)
-        micro = [mb.to(device) for mb in trainer.replay_buffer]
-        trainer.replay_buffer.empty()
-        trainer.replay_buffer.extend(td)
+        micro = [mb.to(device) for mb in trainer.replay_buffer]  # the bare loop's micro-batches: the same rows
         _, t_train = _timed(device, trainer._optimise)
         trainer.replay_buffer.empty()
         _, t_bare = _timed(device, lambda: bare_step(accelerator, bare_model, bare_opt, micro, 1.0))

@@ -134,9 +134,9 @@ class GRPOTrainer:
         self.replay_buffer = replay_buffer or ReplayBuffer(batch_size or collector.completions_per_batch, seed=seed)
         if batch_size is not None:
             self.replay_buffer.batch_size = batch_size
-        if hasattr(collector, "completions_per_batch"):  # the usual layout can be checked before anything runs
-            self._check_accumulation(collector.completions_per_batch, gradient_accumulation_steps, optim_steps_per_batch)
         self.gradient_accumulation_steps = gradient_accumulation_steps
+        if hasattr(collector, "completions_per_batch"):  # the usual layout can be checked before anything runs
+            self._check_accumulation(collector.completions_per_batch)
         self.logger, self.log_interval, self.progress_bar = logger, log_interval, progress_bar
         self.log_timings, self.auto_log_optim_steps = log_timings, auto_log_optim_steps
         self.log_rewards, self.log_kl = log_rewards, log_kl
@@ -154,7 +154,7 @@ class GRPOTrainer:
         self.frames = self.optim_steps = self.iterations = self.weight_version = self.dropped_batches = 0
         self.history: list[dict[str, float]] = []  # every logged scalar dict, in order
         self._stop_reason: str | None = None
-        self._saved_at, self._batch_frames, self._last_log_frames = -1, 0, -math.inf
+        self._saved_at, self._batch_frames, self._last_log_frames, self._staleness = -1, 0, -math.inf, 0.0
         self._timings: dict[str, float] = defaultdict(float)
         self.hooks = Hooks()
         self._register_builtin_hooks()
@@ -333,11 +333,11 @@ class GRPOTrainer:
                     parts.append(part.to("cpu"))
                 rollout[key] = K.concat_rollouts(parts, pad_id=0)[key]
         self.replay_buffer.extend(rollout)
-        self._check_accumulation(len(self.replay_buffer), self.gradient_accumulation_steps, self.optim_steps_per_batch)
+        self._check_accumulation(len(self.replay_buffer))
         return rollout
 
-    def _check_accumulation(self, rows: int, ga: int, optim_steps_per_batch: int | None) -> None:
-        micro = optim_steps_per_batch or math.ceil(rows / self.replay_buffer.batch_size)
+    def _check_accumulation(self, rows: int) -> None:
+        micro, ga = self._micro_batches(rows), self.gradient_accumulation_steps
         if micro % ga:
             raise ValueError(
                 f"GRPOTrainer: {micro} micro-batches per epoch ({rows} completions / batch_size="
@@ -351,7 +351,7 @@ class GRPOTrainer:
                                  device=self.accelerator.device)
         staleness = float(self.accelerator.reduce(staleness, reduction="max")[0]) if self.accelerator.num_processes > 1 \
             else float(staleness[0])
-        self._timings["staleness"] = staleness  # logged as train/staleness
+        self._staleness = staleness
         if self.max_staleness is not None and staleness > self.max_staleness:
             self.dropped_batches += 1
             return rollout[:0]
@@ -486,7 +486,7 @@ class GRPOTrainer:
         if self.auto_log_optim_steps:
             scalars["train/optim_steps"] = float(self.optim_steps)
         if self.async_collection:
-            scalars["train/staleness"] = self._timings.pop("staleness", 0.0)
+            scalars["train/staleness"] = self._staleness
             scalars["train/dropped_batches"] = float(self.dropped_batches)
         scalars.update({f"train/{k}": v for k, v in mean_over_processes(self.accelerator, stats).items()})
         self.hooks.run("log", self, rollout, scalars)

@@ -65,9 +65,9 @@ class BucketedGather:
             with _gathered(group):
                 extra = sum(p.numel() * p.element_size() - _local_bytes(p) for p in group)
                 tensors = [p.detach().to(self.dtype).contiguous() for p in group] if self.materialize else None
-                if tensors is not None:
-                    extra += sum(t.numel() * t.element_size() for t in tensors if t.data_ptr() not in
-                                 {p.data_ptr() for p in group})
+                if tensors is not None:  # casts that made a copy
+                    params_ptrs = {p.data_ptr() for p in group}
+                    extra += sum(t.numel() * t.element_size() for t in tensors if t.data_ptr() not in params_ptrs)
                 self.peak_extra_bytes = max(self.peak_extra_bytes, extra)
                 yield bucket, tensors
 

@@ -22,6 +22,7 @@ sender raises :class:`WeightSyncError` (the trainer saves a checkpoint before st
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 import shutil
 import time
@@ -87,7 +88,7 @@ class _Sender:
         try:
             self._push(version)
             return None
-        except (ServerError, WeightSyncError, RuntimeError) as exc:
+        except RuntimeError as exc:  # ServerError, WeightSyncError, a broken broadcast
             if self.is_sender:
                 self._continue_all()
             return str(exc)
@@ -239,7 +240,7 @@ class DiskWeightSender(_Sender):
         if not self.is_sender:
             return
         (folder / "model.safetensors.index.json").write_text(
-            __import__("json").dumps({"metadata": {}, "weight_map": index}))
+            json.dumps({"metadata": {}, "weight_map": index}))
         self._each("/pause_generation", {"mode": "abort"})
         for client, answer in zip(self.clients, self._each("/update_weights_from_disk", {
                 "model_path": str(folder), "weight_version": version, "flush_cache": True})):
