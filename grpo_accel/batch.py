@@ -88,6 +88,26 @@ def concat_rollouts(tds: Sequence[TensorDict], pad_id: int) -> TensorDict:
     return out
 
 
+def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """First-fit decreasing: row indices grouped into bins whose lengths sum to at most ``capacity``.
+
+    >>> pack_rows([4, 1, 3, 2], capacity=4)
+    [[0], [2, 1], [3]]
+    """
+    if any(n > capacity for n in lengths):
+        raise ValueError(f"pack_rows: a row of {max(lengths)} tokens does not fit capacity={capacity}")
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for row in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        slot = next((b for b, room in enumerate(free) if room >= lengths[row]), len(bins))
+        if slot == len(bins):
+            bins.append([])
+            free.append(capacity)
+        bins[slot].append(row)
+        free[slot] -= lengths[row]
+    return bins
+
+
 def trim_padding(td: TensorDict) -> TensorDict:
     """Drop columns that are padding in every row: prompt columns on the left, completion ones on the right."""
     p_keep = int(td[PROMPT_MASK].any(0).long().argmax()) if td[PROMPT_MASK].any() else td[PROMPT_MASK].shape[1]

@@ -1,19 +1,23 @@
 """Benchmark: every phase of a GRPO step against its limit, on a chosen model size.
 
-    python -m grpo_accel.bench --size 10m --steps 5 --warmup 2 --out bench.json
-    accelerate launch --config_file accelerate_configs/single_process.yaml -m grpo_accel.bench --size 100m
+    python -m grpo_accel.bench --size 10m --steps 3 --warmup 1 --fixed-length --items --out bench.json
+    accelerate launch --config_file accelerate_configs/zero3.yaml -m grpo_accel.bench --size 10m --warmup 3
 
 Per step: generation (embedded engine), rewards, the forward-only logprob pass (pi_old, as with
 num_epochs > 1), and the training phase (GRPOTrainer's optimisation of the batch). Reported: median and
 spread of each phase, generated tokens/s, training tokens/s, the training phase's achieved FLOP/s
 (6 x parameters x tokens) over the peak measured in the same run by a matmul of the model's dtype and hidden
-size (the MFU, on CPU as on GPU), peak memory, and the trainer's overhead: its training phase over a bare
-Accelerate forward/backward/step loop on the same micro-batches in the same run. Not a test: numbers only.
+size (the MFU, on CPU as on GPU), peak memory per process, and the trainer's overhead: its training phase
+over a bare forward/backward/step loop on the same micro-batches in the same run. Runs under every
+accelerate config; ``--items`` adds each speed item before/after (:mod:`grpo_accel.bench_items`).
+Not a test: numbers only.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import os
 import resource
 import statistics
 import sys
@@ -60,24 +64,48 @@ def _timed(device, fn):
     return out, time.perf_counter() - start
 
 
-def bare_step(accelerator, model, optimizer, micro_batches, temperature: float) -> None:
-    """The reference: forward, token logprobs, a policy-gradient loss, backward, clip, step. Nothing else."""
-    from grpo_accel.logprobs import sequence_logprobs
+class BareLoop:
+    """The reference: forward, token logprobs, a policy-gradient loss, backward, clip, step. Nothing else.
 
-    for mb in micro_batches:
-        mask = mb[K.COMPLETION_MASK].float()
-        logp = sequence_logprobs(model, mb[K.PROMPT_IDS], mb[K.PROMPT_MASK], mb[K.COMPLETION_IDS],
-                                 mb[K.COMPLETION_MASK], temperature)
-        loss = -(logp * mb[K.ADVANTAGES][:, None] * mask).sum() / mask.sum()
-        accelerator.backward(loss)
-    accelerator.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
-    optimizer.zero_grad()
+    Its model is prepared like the trainer's: by Accelerate, or under DeepSpeed by an engine of its own built
+    from the trainer's resolved DeepSpeed config (an Accelerator drives a single DeepSpeed engine).
+    """
+
+    def __init__(self, accelerator, model, optimizer, clip_norm: float = 1.0) -> None:
+        self.accelerator, self.clip_norm = accelerator, clip_norm
+        plugin = accelerator.state.deepspeed_plugin
+        if plugin is None:
+            self.model, self.optimizer = accelerator.prepare(model, optimizer)
+            self.engine = None
+        else:
+            import deepspeed
+
+            self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                   config=copy.deepcopy(plugin.deepspeed_config))
+            self.model = self.engine
+
+    def step(self, micro_batches, temperature: float = 1.0) -> None:
+        from grpo_accel.logprobs import sequence_logprobs
+
+        for mb in micro_batches:
+            mask = mb[K.COMPLETION_MASK].float()
+            logp = sequence_logprobs(self.model, mb[K.PROMPT_IDS], mb[K.PROMPT_MASK], mb[K.COMPLETION_IDS],
+                                     mb[K.COMPLETION_MASK], temperature)
+            loss = -(logp * mb[K.ADVANTAGES][:, None] * mask).sum() / mask.sum()
+            if self.engine is not None:  # DeepSpeed clips (gradient_clipping) and steps at its boundary
+                self.engine.backward(loss)
+                self.engine.step()
+            else:
+                self.accelerator.backward(loss)
+        if self.engine is None:
+            self.accelerator.clip_grad_norm_(self.model.parameters(), self.clip_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad()
 
 
-def run(args) -> dict:
-    import copy
-
+def run(args) -> dict | None:
+    """Measure; the result on the main process, None on the others."""
+    from grpo_accel.distributed import preflight, zero_stage
     from grpo_accel.loss import GRPOLoss
     from grpo_accel.rewards import RewardSet, answer_match, format_match
     from grpo_accel.rollout.collector import GRPOCollector, score_rollout
@@ -87,27 +115,38 @@ def run(args) -> dict:
     from grpo_accel.tasks.tiny import TinyModelSpec, build_char_tokenizer, build_tiny_model
     from grpo_accel.trainer import GRPOTrainer
 
+    preflight()
     threads = configure_threads()
     dtype = getattr(torch, args.dtype)
-    tokenizer = build_char_tokenizer()
-    hidden, layers, heads, inter = SIZES[args.size]
-    model = build_tiny_model(tokenizer, TinyModelSpec(hidden, layers, heads, inter, max_positions=256), seed=0).to(dtype)
-    bare_model = copy.deepcopy(model)
+    if args.model is not None:  # a saved model folder (weights and tokenizer), e.g. from model.save_pretrained
+        from grpo_accel.build import build_tokenizer_and_model
+        from grpo_accel.config import ModelConfig
+
+        tokenizer, model = build_tokenizer_and_model(ModelConfig(name_or_path=args.model, dtype=args.dtype))
+    else:
+        tokenizer = build_char_tokenizer()
+        hidden, layers, heads, inter = SIZES[args.size]
+        model = build_tiny_model(tokenizer, TinyModelSpec(hidden, layers, heads, inter, max_positions=256), seed=0)
+    model = model.to(dtype)
+    hidden = model.config.hidden_size
+    bare_model = copy.deepcopy(model)  # before prepare: ZeRO-3 partitions the trainer's copy in place
     accelerator = make_accelerator()
+    if args.items and accelerator.num_processes > 1:
+        raise SystemExit("grpo_accel.bench: --items measures on one process; run it without accelerate launch "
+                         "or with accelerate_configs/single_process.yaml.")
     device = accelerator.device
     rows = addition_rows(9)[0]
     engine = EmbeddedEngine(model, tokenizer, max_new_tokens=args.max_new_tokens)
     engine.generation_config.min_new_tokens = args.max_new_tokens if args.fixed_length else None
     rewards = RewardSet({"answer_match": answer_match, "format_match": format_match})
     collector = GRPOCollector(engine, tokenizer, rows, rewards, prompts_per_batch=args.prompts, group_size=args.group)
-    loss = GRPOLoss(model)
+    loss = GRPOLoss(model, packing=args.packing)
     trainer = GRPOTrainer(collector=collector, total_frames=10**9, loss_module=loss,
                           optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5), batch_size=args.micro_batch,
                           weight_sync_sender=EmbeddedWeightSync(engine), empty_replay_buffer_on_weight_update=True,
                           accelerator=accelerator)
-    bare_opt = torch.optim.AdamW(bare_model.parameters(), lr=1e-5)
-    bare_model, bare_opt = accelerator.prepare(bare_model, bare_opt)
-    n_params = sum(p.numel() for p in model.parameters())
+    bare = BareLoop(accelerator, bare_model, torch.optim.AdamW(bare_model.parameters(), lr=1e-5))
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     phases: dict[str, list[float]] = {k: [] for k in ("generate", "reward", "logprob_pass", "train", "bare_train")}
     tokens = {"generated": [], "trained": []}
     for step in range(args.warmup + args.steps):
@@ -118,12 +157,12 @@ def run(args) -> dict:
         td.update(scores)
         td[K.ADVANTAGES] = torch.randn(td.shape[0])
         td = td.to(device)
-        _, t_lp = _timed(device, lambda: torch.no_grad()(loss.add_old_logprobs)(K.trim_padding(td)))
+        _, t_lp = _timed(device, lambda: torch.no_grad()(trainer.unwrapped_loss.add_old_logprobs)(K.trim_padding(td)))
         trainer.replay_buffer.extend(td)
         micro = [mb.to(device) for mb in trainer.replay_buffer]  # the bare loop's micro-batches: the same rows
         _, t_train = _timed(device, trainer._optimise)
         trainer.replay_buffer.empty()
-        _, t_bare = _timed(device, lambda: bare_step(accelerator, bare_model, bare_opt, micro, 1.0))
+        _, t_bare = _timed(device, lambda: bare.step(micro))
         if step >= args.warmup:
             for name, value in zip(phases, (t_gen, t_rew, t_lp, t_train, t_bare)):
                 phases[name].append(value)
@@ -133,8 +172,10 @@ def run(args) -> dict:
     median = {k: statistics.median(v) for k, v in phases.items()}
     trained = statistics.median(tokens["trained"])
     flops_train = 6 * n_params * trained
-    return {
-        "size": args.size, "parameters": n_params, "dtype": args.dtype, "device": str(device), "threads": threads,
+    result = {
+        "size": args.model or args.size, "parameters": n_params, "dtype": args.dtype, "device": str(device), "threads": threads,
+        "processes": accelerator.num_processes, "distributed_type": accelerator.distributed_type.name,
+        "zero_stage": zero_stage(accelerator), "packing": args.packing,
         "prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens, "steps": args.steps,
         "phase_median_s": median,
         "phase_spread_s": {k: [min(v), max(v)] for k, v in phases.items()},
@@ -145,14 +186,30 @@ def run(args) -> dict:
         "mfu_bare": flops_train / median["bare_train"] / peak,
         "mfu_logprob_pass": 2 * n_params * trained / median["logprob_pass"] / peak,
         "trainer_overhead": median["train"] / median["bare_train"],
-        "peak_memory_mb": (torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda"
-                           else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "peak_memory_mb_per_process": _peak_memory_per_process(accelerator, device),
     }
+    if args.items:
+        from grpo_accel.bench_items import measure_items
+
+        items = measure_items(trainer.unwrapped_loss.policy, tokenizer, engine, prompts, args.group, td, median,
+                              device, threads)
+        result["items"] = [{"name": it.name, "before": it.before, "after": it.after, "unit": it.unit,
+                            "ratio": it.ratio, "how": it.how} for it in items]
+    return result if accelerator.is_main_process else None
+
+
+def _peak_memory_per_process(accelerator, device: torch.device) -> list[float]:
+    """Peak memory of each process in MB (CUDA allocator peak, or the resident-set high-water mark)."""
+    mine = (torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    return [float(x) for x in accelerator.gather(torch.tensor([mine], device=device)).tolist()]
 
 
 def table(result: dict) -> str:
     lines = [f"model {result['size']} ({result['parameters'] / 1e6:.1f}M params, {result['dtype']}, "
-             f"{result['device']}, {result['threads']} threads), {result['prompts']} prompts x {result['group']}",
+             f"{result['device']}, {result['threads']} threads), {result['prompts']} prompts x {result['group']} "
+             f"per process, {result['processes']} process(es), {result['distributed_type']} ZeRO-"
+             f"{result['zero_stage']}{', packed' if result['packing'] else ''}",
              f"{'phase':<14}{'median s':>10}{'min s':>10}{'max s':>10}"]
     for name, med in result["phase_median_s"].items():
         lo, hi = result["phase_spread_s"][name]
@@ -161,14 +218,19 @@ def table(result: dict) -> str:
               f"{result['train_tokens_per_s']:.0f}",
               f"MFU train {result['mfu_train']:.3f}   bare loop {result['mfu_bare']:.3f}   logprob pass "
               f"{result['mfu_logprob_pass']:.3f}   (peak {result['peak_flops'] / 1e9:.1f} GFLOP/s measured)",
-              f"trainer overhead {result['trainer_overhead']:.3f} x bare Accelerate loop   peak memory "
-              f"{result['peak_memory_mb']:.0f} MB"]
+              f"trainer overhead {result['trainer_overhead']:.3f} x bare Accelerate loop   peak memory per process "
+              + " / ".join(f"{mb:.0f}" for mb in result["peak_memory_mb_per_process"]) + " MB"]
+    if "items" in result:
+        from grpo_accel.bench_items import Item, items_table
+
+        lines += ["", items_table([Item(**{k: v for k, v in it.items() if k != "ratio"}) for it in result["items"]])]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", choices=sorted(SIZES), default="1m")
+    parser.add_argument("--size", choices=sorted(SIZES), default="1m", help="built-in Llama size (random weights)")
+    parser.add_argument("--model", help="a model folder (weights + tokenizer) to benchmark instead of --size")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=8)
@@ -177,9 +239,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=64, help="completions per micro-batch")
     parser.add_argument("--fixed-length", action="store_true", help="generate exactly max-new-tokens per completion")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--packing", action="store_true", help="train with GRPOLoss(packing=True) (padding-free)")
+    parser.add_argument("--items", action="store_true",
+                        help="also measure each speed item before/after in this run (one process)")
     parser.add_argument("--out", help="write the result as JSON here")
     args = parser.parse_args(argv)
     result = run(args)
+    if result is None:  # not the main process
+        return 0
     sys.stdout.write(table(result) + "\n")
     if args.out:
         with open(args.out, "w") as f:
@@ -188,4 +255,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    # As launch/train.py: gloo's teardown can abort an exit after the work is done, so flush and leave.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

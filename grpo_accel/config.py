@@ -149,6 +149,8 @@ class LossConfig:
     """Divide group-centred rewards by the group's std (off for Dr. GRPO)."""
     leave_one_out: bool = False
     """Baseline = mean of the other G-1 rewards (RLOO) instead of the group mean."""
+    packing: bool = False
+    """Padding-free training: rows packed with per-row position ids (checked against padded logprobs once)."""
 
     def __post_init__(self) -> None:
         _check(self.clip_eps_low > 0, "loss.clip_eps_low", self.clip_eps_low, "must be > 0 (e.g. 0.2).")

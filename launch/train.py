@@ -83,7 +83,7 @@ def build_trainer(cfg: GRPOConfig):
         model, reference, clip_epsilon=(lc.clip_eps_low, lc.clip_eps_high),
         kl_coef=lc.kl_coef, kl_estimator=lc.kl_estimator, aggregation=lc.aggregation,
         max_completion_tokens=r.max_new_tokens, importance_level=lc.importance_level, tis_cap=lc.tis_cap,
-        temperature=r.temperature,
+        temperature=r.temperature, packing=lc.packing,
     )
     o = cfg.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)

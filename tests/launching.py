@@ -18,10 +18,12 @@ def free_port() -> int:
 
 
 def launch(config: str, script_args: list[str], *, timeout: float = 300, expect_ok: bool = True,
-           launcher_args: list[str] = (), env: dict | None = None) -> subprocess.CompletedProcess:
-    """``accelerate launch --config_file accelerate_configs/<config> launch/train.py <script_args>``."""
+           launcher_args: list[str] = (), env: dict | None = None,
+           script: tuple[str, ...] = (str(ROOT / "launch" / "train.py"),)) -> subprocess.CompletedProcess:
+    """``accelerate launch --config_file accelerate_configs/<config> <script> <script_args>``; the script is
+    launch/train.py unless given (e.g. ``("-m", "grpo_accel.bench")``)."""
     cmd = [*ACCELERATE, "--config_file", str(ROOT / "accelerate_configs" / config),
-           "--main_process_port", str(free_port()), *launcher_args, str(ROOT / "launch" / "train.py"), *script_args]
+           "--main_process_port", str(free_port()), *launcher_args, *script, *script_args]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if expect_ok and proc.returncode != 0:

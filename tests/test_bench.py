@@ -3,21 +3,68 @@ import json
 import subprocess
 import sys
 
-from launching import ROOT
+import pytest
+
+from launching import ROOT, launch
+
+SMALL = ["--size", "1m", "--steps", "2", "--warmup", "1", "--prompts", "2", "--group", "4", "--max-new-tokens", "8",
+         "--micro-batch", "4"]
+ITEMS = {"old logprobs from the rollout", "no reference pass at kl_coef=0", "micro-batch trimmed to its longest row",
+         "padding-free packed training", "chunked logprobs: peak memory", "chunked logprobs: time",
+         "generation batched over prompts x group", "generation with the KV cache",
+         "generation stops when all finished", "torch threads from the cores"}
 
 
-def test_benchmark_reports_phases_mfu_and_overhead(tmp_path):
-    out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "grpo_accel.bench", "--size", "1m", "--steps", "2", "--warmup", "1",
-                           "--prompts", "2", "--group", "4", "--max-new-tokens", "8", "--micro-batch", "4",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(out.read_text())
+def check_result(result: dict, processes: int) -> None:
     assert set(result["phase_median_s"]) == {"generate", "reward", "logprob_pass", "train", "bare_train"}
     assert all(v > 0 for v in result["phase_median_s"].values())
     assert 0 < result["mfu_train"] and 0 < result["mfu_bare"] and result["peak_flops"] > 0
-    assert result["trainer_overhead"] > 0 and result["peak_memory_mb"] > 0
-    assert result["parameters"] > 1e6 and "trainer overhead" in proc.stdout and "MFU train" in proc.stdout
+    assert result["trainer_overhead"] > 0
+    assert result["processes"] == processes and len(result["peak_memory_mb_per_process"]) == processes
+    assert all(mb > 0 for mb in result["peak_memory_mb_per_process"])
+
+
+def test_benchmark_reports_phases_mfu_overhead_and_speed_items(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "grpo_accel.bench", *SMALL, "--items", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    check_result(result, processes=1)
+    assert 1e6 < result["parameters"] < 2e6  # the 1m built-in size
+    assert "trainer overhead" in proc.stdout and "MFU train" in proc.stdout and "speed item" in proc.stdout
+    items = {it["name"]: it for it in result["items"]}
+    assert set(items) == ITEMS and all(it["before"] > 0 and it["after"] > 0 for it in items.values())
+    memory = items["chunked logprobs: peak memory"]  # memory, unlike time, is not noise: the copy must be gone
+    assert memory["unit"] == "MB" and memory["after"] < 0.6 * memory["before"], memory
+
+
+@pytest.mark.parametrize("config, stage", [("ddp.yaml", 0), ("zero3.yaml", 3)])
+def test_benchmark_runs_under_accelerate_launch(tmp_path, config, stage):
+    out = tmp_path / "bench.json"
+    proc = launch(config, [*SMALL, "--packing", "--out", str(out)], script=("-m", "grpo_accel.bench"))
+    result = json.loads(out.read_text())
+    check_result(result, processes=2)
+    assert result["zero_stage"] == stage and result["packing"] is True
+    assert proc.stdout.count("trainer overhead") == 1  # the main process reports
+
+
+def test_benchmark_takes_a_model_folder(tmp_path, tokenizer, tiny_model):
+    tiny_model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "grpo_accel.bench", *SMALL, "--model", str(tmp_path / "model"),
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    check_result(result, processes=1)
+    assert result["size"] == str(tmp_path / "model")
+    assert result["parameters"] == sum(p.numel() for p in tiny_model.parameters())
+
+
+def test_items_refuse_several_processes(tmp_path):
+    proc = launch("ddp.yaml", [*SMALL, "--items"], script=("-m", "grpo_accel.bench"), expect_ok=False)
+    assert proc.returncode != 0 and "--items measures on one process" in proc.stderr
 
 
 def test_gpu_check_script_refuses_without_a_gpu():

@@ -28,6 +28,8 @@ def run(config, tmp_path, name, *extra):
     proc = launch(config, [f"output_dir={out}", *BASE, *extra])
     if config != "single_process.yaml":
         assert READY.format(0) in proc.stderr and READY.format(1) in proc.stderr
+    if "loss.packing=true" in extra:
+        assert proc.stderr.count("padding-free packing checked for LlamaForCausalLM") == 2  # once per process
     return out
 
 
@@ -52,6 +54,7 @@ def single(tmp_path_factory):
 @pytest.mark.parametrize("config, stage, dist_type, extra", [
     ("ddp.yaml", 0, "MULTI_CPU", ()), ("zero1.yaml", 1, "DEEPSPEED", ()), ("zero2.yaml", 2, "DEEPSPEED", ()),
     ("zero3.yaml", 3, "DEEPSPEED", ()), ("zero3.yaml", 3, "DEEPSPEED", ("rollout.zero3_gather_full=true",)),
+    ("zero3.yaml", 3, "DEEPSPEED", ("loss.packing=true",)),  # padding-free training = the padded 1-process run
 ])
 def test_two_processes_match_one_process(single, tmp_path, config, stage, dist_type, extra):
     got, summary = curves(run(config, tmp_path, "run", "trainer.micro_batch_completions=64", *extra))

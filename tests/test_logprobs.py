@@ -1,6 +1,10 @@
 import torch
+from tensordict import TensorDict
+from torch import nn
 
 from grpo_accel import batch as K
+import pytest
+
 from grpo_accel.logprobs import selected_logprobs, sequence_logprobs
 from grpo_accel.rollout.local import EmbeddedEngine
 
@@ -68,3 +72,97 @@ def test_engine_masks_after_eos_and_reports_finish(tokenizer, tiny_model):
             assert n == 5 and eos not in real
         assert (ids[n:] == tokenizer.pad_token_id).all()
     assert {int(r) for r in td[K.FINISH_REASON]} == {K.FINISH_STOP, K.FINISH_LENGTH}
+
+
+def _ragged_batch(vocab: int, prompt_lens: list[int], completion_lens: list[int], seed: int = 0):
+    """Random tokens with the rollout's padding: prompts left-padded, completions right-padded."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in prompt_lens]
+    completions = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in completion_lens]
+    return (K.pad_sequences(prompts, 0, "left"), K.pad_sequences([[1] * n for n in prompt_lens], 0, "left"),
+            K.pad_sequences(completions, 0, "right"), K.pad_sequences([[1] * n for n in completion_lens], 0, "right"))
+
+
+def test_pack_rows_first_fit_decreasing():
+    assert K.pack_rows([4, 1, 3, 2], capacity=4) == [[0], [2, 1], [3]]
+    assert K.pack_rows([2, 2, 2], capacity=6) == [[0, 1, 2]]
+    assert K.pack_rows([], capacity=3) == []
+    with pytest.raises(ValueError, match="capacity=2"):
+        K.pack_rows([3], capacity=2)
+
+
+@pytest.mark.parametrize("prompt_lens, completion_lens", [
+    ([3, 5, 2, 4, 4, 1], [8, 2, 5, 0, 1, 3]),  # 4x+ ragged, one empty completion, bins of several rows
+    ([4], [6]),  # one row: one bin, no packing boundary
+    ([2, 2, 2, 2], [4, 4, 4, 4]),  # equal lengths: two rows per bin
+])
+def test_packed_logprobs_entropy_and_gradients_equal_the_padded_path(tokenizer, tiny_model, prompt_lens, completion_lens):
+    model = tiny_model.double()
+    inputs = _ragged_batch(model.config.vocab_size, prompt_lens, completion_lens)
+    results = []
+    for packed in (False, True):
+        model.zero_grad()
+        logp, entropy = sequence_logprobs(model, *inputs, temperature=0.7, with_entropy=True, packed=packed)
+        (logp * torch.linspace(-1, 1, logp.numel(), dtype=logp.dtype).view_as(logp)).sum().backward()
+        results.append((logp, entropy, [p.grad.clone() for p in model.parameters()]))
+    (a, ea, ga), (b, eb, gb) = results
+    torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
+    torch.testing.assert_close(eb, ea, rtol=0, atol=1e-12)
+    assert (b[inputs[3] == 0] == 0).all() and b[inputs[3] == 1].lt(0).all()
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(y, x, rtol=1e-9, atol=1e-12)
+
+
+def test_packing_really_isolates_rows(tokenizer, tiny_model):
+    """Rows of lengths 6, 2, 2 share one bin of 12: changing row 1 must leave row 2, after it, exactly as it was."""
+    model = tiny_model.double()
+    inputs = _ragged_batch(model.config.vocab_size, [2, 1, 1], [4, 1, 1], seed=3)
+    assert K.pack_rows([6, 2, 2], capacity=12) == [[0, 1, 2]]
+    changed = [x.clone() for x in inputs]
+    changed[0][1, -1] = 3 if int(inputs[0][1, -1]) != 3 else 4  # row 1's only prompt token
+    with torch.no_grad():
+        before, after = (sequence_logprobs(model, *x, packed=True) for x in (inputs, changed))
+    assert after[1, 0] != before[1, 0]
+    torch.testing.assert_close(after[[0, 2]], before[[0, 2]], rtol=0, atol=0)
+
+
+class _CumulativeMeanLM(nn.Module):
+    """A causal LM that mixes every earlier position of its row (ignoring position ids): packing would leak."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(vocab, 8), nn.Linear(8, vocab)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0, use_cache=False):
+        h = self.embed(input_ids).cumsum(1) / torch.arange(1, input_ids.shape[1] + 1)[:, None]  # [B, L, 8]
+        if isinstance(logits_to_keep, torch.Tensor):  # boolean [B, L]: flattened, as transformers does
+            h = h[logits_to_keep]
+        elif logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        return type("Out", (), {"logits": self.head(h)})()
+
+
+def test_packing_is_refused_for_a_model_that_leaks_across_rows(tokenizer, tiny_model):
+    from grpo_accel.loss import GRPOLoss
+
+    inputs = _ragged_batch(tokenizer.vocab_size, [2, 1, 1], [4, 1, 1])
+    td = TensorDict({K.PROMPT_IDS: inputs[0], K.PROMPT_MASK: inputs[1], K.COMPLETION_IDS: inputs[2],
+                     K.COMPLETION_MASK: inputs[3], K.ADVANTAGES: torch.tensor([1.0, -1.0, 0.5])}, batch_size=[3])
+    with pytest.raises(ValueError, match=r"packing=True is invalid for _CumulativeMeanLM.*loss.packing=false"):
+        GRPOLoss(_CumulativeMeanLM(tokenizer.vocab_size), packing=True)(td)
+    loss = GRPOLoss(tiny_model, packing=True)  # a transformers Llama keeps rows apart: accepted, checked once
+    out = loss(td)
+    assert torch.isfinite(out["loss_objective"]) and id(tiny_model) in loss._packing_checked
+    torch.testing.assert_close(out["loss_objective"], GRPOLoss(tiny_model)(td)["loss_objective"])
+
+
+def test_packing_check_accepts_half_precision(tokenizer, tiny_model):
+    """bf16 rounding differs between the padded and packed layouts; the check must not mistake it for a leak."""
+    from grpo_accel.loss import GRPOLoss
+
+    inputs = _ragged_batch(tokenizer.vocab_size, [5, 3, 8, 2] * 4, [24, 6, 12, 30] * 4)
+    td = TensorDict({K.PROMPT_IDS: inputs[0], K.PROMPT_MASK: inputs[1], K.COMPLETION_IDS: inputs[2],
+                     K.COMPLETION_MASK: inputs[3], K.ADVANTAGES: torch.linspace(-1, 1, 16)}, batch_size=[16])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.isfinite(GRPOLoss(tiny_model, packing=True)(td)["loss_objective"])
+    assert torch.isfinite(GRPOLoss(tiny_model.to(torch.bfloat16), packing=True)(td)["loss_objective"])

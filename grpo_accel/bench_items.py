@@ -1,0 +1,222 @@
+"""The benchmark's speed items: each optimisation the trainer makes, before against after, in one run.
+
+Every item times (or, for memory, measures the peak of) the same work done both ways on the same model
+and the same tokens, and reports ``before / after``: above 1 means the optimisation pays. Used by
+``python -m grpo_accel.bench --items`` (one process); see that module for the phases themselves.
+"""
+from __future__ import annotations
+
+import copy
+import re
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from tensordict import TensorDict
+
+from grpo_accel import batch as K
+
+BIG_VOCAB, BIG_TOKENS = 32768, 4096  # the chunked-logprob item: a realistic vocabulary and micro-batch
+RAGGED_COMPLETION = 128  # packing and trimming items: completions of 32..128 tokens (4x), prompts of 8..16
+
+
+@dataclass
+class Item:
+    name: str
+    before: float
+    after: float
+    unit: str  # "s" or "MB"
+    how: str  # what "before" and "after" are
+
+    @property
+    def ratio(self) -> float:
+        return self.before / self.after if self.after > 0 else float("inf")
+
+
+def median_time(fn: Callable[[], object], reps: int = 3, warmup: int = 1) -> float:
+    """Median wall time of ``fn`` over ``reps`` calls after ``warmup`` calls (synchronising CUDA)."""
+    times = []
+    for i in range(warmup + reps):
+        _sync()
+        start = time.perf_counter()
+        fn()
+        _sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+@contextmanager
+def peak_memory_mb(device: torch.device):
+    """Yields a dict whose ``"mb"`` is set on exit to the peak memory above the level at entry.
+
+    CUDA: the allocator's peak. CPU: the resident-set high-water mark, reset on entry through
+    ``/proc/self/clear_refs`` (Linux), so the number covers this block only.
+    """
+    out = {}
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        yield out
+        torch.cuda.synchronize()
+        out["mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        return
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _proc_status_mb("VmRSS")
+    yield out
+    out["mb"] = _proc_status_mb("VmHWM") - base
+
+
+def _proc_status_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1)) / 1024
+
+
+def ragged_batch(vocab: int, rows: int, max_completion: int, device, seed: int = 0) -> TensorDict:
+    """A rollout whose completion lengths spread evenly from max/4 to max (4x), prompts of 8-16 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_lens = torch.randint(8, 17, (rows,), generator=g).tolist()
+    completion_lens = torch.linspace(max(1, max_completion // 4), max_completion, rows).round().long().tolist()
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in prompt_lens]
+    completions = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in completion_lens]
+    td = TensorDict({
+        K.PROMPT_IDS: K.pad_sequences(prompts, 0, "left"),
+        K.PROMPT_MASK: K.pad_sequences([[1] * n for n in prompt_lens], 0, "left"),
+        K.COMPLETION_IDS: K.pad_sequences(completions, 0, "right"),
+        K.COMPLETION_MASK: K.pad_sequences([[1] * n for n in completion_lens], 0, "right"),
+        K.ADVANTAGES: torch.randn(rows, generator=g),
+    }, batch_size=[rows])
+    return td.to(device)
+
+
+def _forward_backward(loss_module, td: TensorDict) -> None:
+    out = loss_module(td)
+    out["loss_objective"].backward()
+    loss_module.zero_grad(set_to_none=True)
+
+
+def measure_items(model, tokenizer, engine, prompts: list[list[int]], group: int, rollout: TensorDict,
+                  phases: dict[str, float], device: torch.device, threads: int) -> list[Item]:
+    """Every speed item, measured now on ``model`` (a plain, unprepared module in one process)."""
+    from grpo_accel.logprobs import selected_logprobs
+    from grpo_accel.loss import GRPOLoss
+
+    items = []
+    train, logprob_pass = phases["train"], phases["logprob_pass"]
+    items.append(Item("old logprobs from the rollout", train + logprob_pass, train, "s",
+                      "training phase + a pi_old forward pass / training phase (batch used once on-policy)"))
+    reference = copy.deepcopy(model).requires_grad_(False)
+    ref_loss = GRPOLoss(model, reference, kl_coef=0.1)
+    t_ref = median_time(lambda: torch.no_grad()(ref_loss.add_reference_logprobs)(K.trim_padding(rollout.clone())))
+    items.append(Item("no reference pass at kl_coef=0", train + t_ref, train, "s",
+                      "training phase + the reference forward pass / training phase"))
+    del reference, ref_loss
+
+    ragged = ragged_batch(model.config.vocab_size, rollout.shape[0], RAGGED_COMPLETION, device)
+    padded_loss, packed_loss = GRPOLoss(model), GRPOLoss(model, packing=True)
+    short = ragged[: max(1, ragged.shape[0] // 2)]  # the shorter half, still padded to the whole batch's width
+    items.append(Item("micro-batch trimmed to its longest row",
+                      median_time(lambda: _forward_backward(padded_loss, short)),
+                      median_time(lambda: _forward_backward(padded_loss, K.trim_padding(short))), "s",
+                      "loss forward+backward of the shorter half of a 4x-ragged batch: padded to the batch / trimmed"))
+    items.append(Item("padding-free packed training",
+                      median_time(lambda: _forward_backward(padded_loss, ragged)),
+                      median_time(lambda: _forward_backward(packed_loss, ragged)), "s",
+                      f"loss forward+backward, {ragged.shape[0]} completions of {RAGGED_COMPLETION // 4}.."
+                      f"{RAGGED_COMPLETION} tokens (4x): padded / packed"))
+
+    rows = BIG_TOKENS
+    logits = torch.randn(1, rows, BIG_VOCAB, device=device, dtype=next(model.parameters()).dtype)
+    targets = torch.randint(0, BIG_VOCAB, (1, rows), device=device)
+
+    def full_copy():
+        z = logits.detach().requires_grad_()
+        torch.log_softmax(z.float(), -1).gather(-1, targets[..., None]).sum().backward()
+
+    def chunked():
+        z = logits.detach().requires_grad_()
+        selected_logprobs(z, targets).sum().backward()
+
+    memory = []
+    for fn in (full_copy, chunked):
+        fn()  # warm-up outside the measured block
+        with peak_memory_mb(device) as peak:
+            fn()
+        memory.append(peak["mb"])
+    items.append(Item("chunked logprobs: peak memory", *memory, "MB",
+                      f"forward+backward over {rows} tokens x {BIG_VOCAB} vocabulary: float32 log_softmax / chunked"))
+    items.append(Item("chunked logprobs: time", median_time(full_copy), median_time(chunked), "s",
+                      "the same two computations timed"))
+    del logits
+
+    items += _generation_items(engine, prompts, group)
+    items.append(_threads_item(padded_loss, ragged, threads))
+    return items
+
+
+@contextmanager
+def _settings(config, **values):
+    """Temporarily set attributes of a GenerationConfig."""
+    saved = {name: getattr(config, name) for name in values}
+    for name, value in values.items():
+        setattr(config, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(config, name, value)
+
+
+def _generation_items(engine, prompts: list[list[int]], group: int) -> list[Item]:
+    config, seeds = engine.generation_config, list(range(len(prompts)))
+
+    def generate():
+        return engine.generate(prompts, group, seeds=seeds)
+
+    per_prompt = median_time(lambda: [engine.generate([p], group, seeds=[s]) for p, s in zip(prompts, seeds)], reps=2)
+    items = [Item("generation batched over prompts x group", per_prompt, median_time(generate, reps=2), "s",
+                  f"one generate per prompt / one generate for all {len(prompts)} x {group}")]
+    with _settings(config, use_cache=False):
+        no_cache = median_time(generate, reps=2)
+    items.append(Item("generation with the KV cache", no_cache, median_time(generate, reps=2), "s",
+                      "use_cache=False / use_cache=True"))
+    # Random weights almost never sample EOS, so completions are made to end early: half the vocabulary
+    # stops a sequence; the batch then ends with its longest completion instead of at the budget.
+    stops = list(range(1, engine.model.config.vocab_size, 2))
+    with _settings(config, eos_token_id=stops, min_new_tokens=None):
+        with _settings(config, min_new_tokens=config.max_new_tokens):
+            full_length = median_time(generate, reps=2)
+        early = median_time(generate, reps=2)
+        longest = int(generate()[K.COMPLETION_MASK].sum(1).max())
+    items.append(Item("generation stops when all finished", full_length, early, "s",
+                      f"every sequence to the {config.max_new_tokens}-token budget / stop when all stopped "
+                      f"(half the vocabulary as stop tokens: longest completion {longest} tokens)"))
+    return items
+
+
+def _threads_item(loss_module, td: TensorDict, threads: int) -> Item:
+    """Threads from the cores (what ``configure_threads`` set) against 4x oversubscription."""
+    try:
+        torch.set_num_threads(4 * threads)
+        over = median_time(lambda: _forward_backward(loss_module, td))
+    finally:
+        torch.set_num_threads(threads)
+    return Item("torch threads from the cores", over, median_time(lambda: _forward_backward(loss_module, td)), "s",
+                f"loss forward+backward with {4 * threads} threads / {threads} (cores / local processes)")
+
+
+def items_table(items: list[Item]) -> str:
+    lines = [f"{'speed item':<42}{'before':>10}{'after':>10}{'ratio':>8}  before / after"]
+    for it in items:
+        lines.append(f"{it.name:<42}{it.before:>10.4g}{it.after:>10.4g}{it.ratio:>7.2f}x  {it.unit}: {it.how}")
+    return "\n".join(lines)
