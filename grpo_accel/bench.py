@@ -67,6 +67,8 @@ def _timed(device, fn):
 class BareLoop:
     """The reference: forward, token logprobs, a policy-gradient loss, backward, clip, step. Nothing else.
 
+    One optimizer step per micro-batch, as the benchmark's trainer takes (gradient_accumulation_steps=1).
+
     Its model is prepared like the trainer's: by Accelerate, or under DeepSpeed by an engine of its own built
     from the trainer's resolved DeepSpeed config (an Accelerator drives a single DeepSpeed engine).
     """
@@ -92,15 +94,14 @@ class BareLoop:
             logp = sequence_logprobs(self.model, mb[K.PROMPT_IDS], mb[K.PROMPT_MASK], mb[K.COMPLETION_IDS],
                                      mb[K.COMPLETION_MASK], temperature)
             loss = -(logp * mb[K.ADVANTAGES][:, None] * mask).sum() / mask.sum()
-            if self.engine is not None:  # DeepSpeed clips (gradient_clipping) and steps at its boundary
+            if self.engine is not None:  # DeepSpeed clips (gradient_clipping) inside its step
                 self.engine.backward(loss)
                 self.engine.step()
             else:
                 self.accelerator.backward(loss)
-        if self.engine is None:
-            self.accelerator.clip_grad_norm_(self.model.parameters(), self.clip_norm)
-            self.optimizer.step()
-            self.optimizer.zero_grad()
+                self.accelerator.clip_grad_norm_(self.model.parameters(), self.clip_norm)
+                self.optimizer.step()
+                self.optimizer.zero_grad()
 
 
 def run(args) -> dict | None:
