@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import resource
 import statistics
 import sys
@@ -256,8 +255,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # As launch/train.py: gloo's teardown can abort an exit after the work is done, so flush and leave.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    from grpo_accel.runtime import exit_skipping_teardown
+
+    exit_skipping_teardown(main())

@@ -195,8 +195,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # gloo teardown aborts ~1 in 40 exits after training finished: flush and leave without it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    from grpo_accel.runtime import exit_skipping_teardown
+
+    exit_skipping_teardown(main())
