@@ -6,7 +6,7 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 OFFLOAD_KEYS = ("offload_optimizer", "offload_param")
 
@@ -125,25 +125,36 @@ def zero_stage(accelerator) -> int:
     return int(plugin.zero_stage) if plugin is not None else 0
 
 
+def full_shape(p) -> tuple[int, ...]:
+    """A parameter's shape, whole even when ZeRO-3 keeps only a shard of it here."""
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
+def full_numel(p) -> int:
+    """A parameter's element count, whole even when ZeRO-3 keeps only a shard of it here."""
+    return getattr(p, "ds_numel", None) or p.numel()
+
+
 def local_parameter_fraction(module) -> float:
     """Share of ``module``'s parameter elements stored on this rank (1.0 unless ZeRO-3 partitions them)."""
     local = total = 0
     for p in module.parameters():
-        full = p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+        full = full_numel(p)
         local += p.ds_tensor.numel() if hasattr(p, "ds_tensor") else full
         total += full
     return local / max(total, 1)
 
 
 @contextlib.contextmanager
-def gathered_parameters(module, enabled: bool = True) -> Iterator[None]:
-    """Full parameters of ``module`` inside the block under ZeRO-3 (a collective: every rank must enter);
-    a no-op for parameters that are not ZeRO-3 partitioned. Read-only: changes inside are discarded."""
-    params = [p for p in module.parameters() if hasattr(p, "ds_id")]
-    if not (enabled and params):
+def gathered_parameters(params: Iterable) -> Iterator[None]:
+    """Full values of ``params`` (e.g. ``module.parameters()``) inside the block under ZeRO-3 (a collective:
+    every rank must enter); a no-op for parameters that are not ZeRO-3 partitioned. Read-only: changes inside
+    are discarded."""
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    if not partitioned:
         yield
         return
     import deepspeed
 
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
         yield

@@ -27,7 +27,7 @@ from grpo_accel import batch as K
 from grpo_accel.buffer import ReplayBuffer
 from grpo_accel.checkpoint import (Checkpoint, CheckpointError, RunCheckpointer, load_trainer_payload,
                                    parameter_signature, save_trainer_payload)
-from grpo_accel.distributed import configure_deepspeed_for, zero_stage
+from grpo_accel.distributed import configure_deepspeed_for, full_shape, zero_stage
 from grpo_accel.hooks import Hooks
 from grpo_accel.loss import distributed_normalizer
 from grpo_accel.metrics import mean_over_processes, rollout_scalars
@@ -436,7 +436,7 @@ class GRPOTrainer:
         logger.info("resumed from %s at iteration %d (%d frames)", path, self.iterations, self.frames)
 
     def _signature(self) -> str:
-        return parameter_signature([(name, tuple(getattr(p, "ds_shape", p.shape)))
+        return parameter_signature([(name, full_shape(p))
                                     for name, p in self.unwrapped_loss.named_parameters()])
 
     def _hf_assets(self) -> list:

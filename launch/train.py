@@ -13,7 +13,6 @@ import argparse
 import copy
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ def build_trainer(cfg: GRPOConfig):
     from grpo_accel.build import build_rewards, build_rows, build_tokenizer_and_model
     from grpo_accel.checkpoint import Checkpoint, CheckpointRotation
     from grpo_accel.config import ConfigError, resume_conflicts
-    from grpo_accel.distributed import preflight
+    from grpo_accel.distributed import launch_world_size, preflight
     from grpo_accel.evaluation import Evaluator
     from grpo_accel.loss import GRPOLoss
     from grpo_accel.rollout.collector import GRPOCollector
@@ -44,7 +43,7 @@ def build_trainer(cfg: GRPOConfig):
     t, r, lc = cfg.trainer, cfg.rollout, cfg.loss
     # Everything that can be checked without a process group is checked first.
     preflight()
-    cfg.check_batch_layout(int(os.environ.get("WORLD_SIZE", "1")))
+    cfg.check_batch_layout(launch_world_size())
     c = cfg.checkpoint
     checkpoint = Checkpoint(Path(cfg.output_dir) / "checkpoints", resume=c.resume)
     if (resume := checkpoint.resume_path()) is not None:
@@ -142,7 +141,7 @@ def build_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
     engine_model = copy.deepcopy(model) if cfg.trainer.async_collection else model
     engine = EmbeddedEngine(engine_model, tokenizer, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                             top_p=r.top_p, top_k=r.top_k,
-                            gather=(lambda: gathered_parameters(model)) if r.zero3_gather_full else None)
+                            gather=(lambda: gathered_parameters(model.parameters())) if r.zero3_gather_full else None)
     return engine, EmbeddedWeightSync(engine, source=model)
 
 

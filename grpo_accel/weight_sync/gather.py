@@ -8,16 +8,14 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from grpo_accel.distributed import full_shape, gathered_parameters
+
 
 @dataclass
 class Bucket:
     names: list[str]  # Hugging Face names, in send order
     shapes: list[tuple[int, ...]]
     nbytes: int  # at the send dtype
-
-
-def full_shape(p: nn.Parameter) -> tuple[int, ...]:
-    return tuple(getattr(p, "ds_shape", p.shape))
 
 
 def plan_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_bytes: int, element_size: int) -> list[Bucket]:
@@ -62,7 +60,7 @@ class BucketedGather:
         params = dict(self.named)
         for bucket in self.buckets:
             group = [params[n] for n in bucket.names]
-            with _gathered(group):
+            with gathered_parameters(group):
                 extra = sum(p.numel() * p.element_size() - _local_bytes(p) for p in group)
                 tensors = [p.detach().to(self.dtype).contiguous() for p in group] if self.materialize else None
                 if tensors is not None:  # casts that made a copy
@@ -77,21 +75,3 @@ def _local_bytes(p: nn.Parameter) -> int:
         return p.ds_tensor.numel() * p.ds_tensor.element_size()
     return p.numel() * p.element_size()
 
-
-class _gathered:
-    """GatheredParameters for ZeRO-3 parameters (every rank must enter), nothing otherwise."""
-
-    def __init__(self, params: list[nn.Parameter]) -> None:
-        self.params = [p for p in params if hasattr(p, "ds_id")]
-        self.ctx = None
-
-    def __enter__(self):
-        if self.params:
-            import deepspeed
-
-            self.ctx = deepspeed.zero.GatheredParameters(self.params, modifier_rank=None)
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
