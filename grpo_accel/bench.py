@@ -41,26 +41,23 @@ def peak_flops(hidden: int, dtype: torch.dtype, device: torch.device, seconds: f
     b = torch.randn(hidden, hidden, device=device, dtype=dtype)
     best, deadline = float("inf"), time.perf_counter() + seconds
     while time.perf_counter() < deadline:
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        _sync(device)
-        best = min(best, (time.perf_counter() - start) / 4)
+        _, elapsed = timed(lambda: [a @ b for _ in range(4)])
+        best = min(best, elapsed / 4)
     return 2 * 4096 * hidden * hidden / best
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _timed(device, fn):
-    _sync(device)
+def timed(fn):
+    """``(fn(), wall seconds)``, queued CUDA work included."""
+    _sync()
     start = time.perf_counter()
     out = fn()
-    _sync(device)
+    _sync()
     return out, time.perf_counter() - start
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 class BareLoop:
@@ -105,7 +102,7 @@ class BareLoop:
 
 def run(args) -> dict | None:
     """Measure; the result on the main process, None on the others."""
-    from grpo_accel.distributed import preflight, zero_stage
+    from grpo_accel.distributed import full_numel, preflight, zero_stage
     from grpo_accel.loss import GRPOLoss
     from grpo_accel.rewards import RewardSet, answer_match, format_match
     from grpo_accel.rollout.collector import GRPOCollector, score_rollout
@@ -146,23 +143,23 @@ def run(args) -> dict | None:
                           weight_sync_sender=EmbeddedWeightSync(engine), empty_replay_buffer_on_weight_update=True,
                           accelerator=accelerator)
     bare = BareLoop(accelerator, bare_model, torch.optim.AdamW(bare_model.parameters(), lr=1e-5))
-    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    n_params = sum(full_numel(p) for p in model.parameters())
     phases: dict[str, list[float]] = {k: [] for k in ("generate", "reward", "logprob_pass", "train", "bare_train")}
     tokens = {"generated": [], "trained": []}
     for step in range(args.warmup + args.steps):
         indices = collector._next_indices()[: args.prompts]
         prompts = [collector._encode(i) for i in indices]
-        td, t_gen = _timed(device, lambda: engine.generate(prompts, args.group, seeds=list(range(len(prompts)))))
-        scores, t_rew = _timed(device, lambda: score_rollout(td, [rows[i] for i in indices], args.group, tokenizer, rewards))
+        td, t_gen = timed(lambda: engine.generate(prompts, args.group, seeds=list(range(len(prompts)))))
+        scores, t_rew = timed(lambda: score_rollout(td, [rows[i] for i in indices], args.group, tokenizer, rewards))
         td.update(scores)
         td[K.ADVANTAGES] = torch.randn(td.shape[0])
         td = td.to(device)
-        _, t_lp = _timed(device, lambda: torch.no_grad()(trainer.unwrapped_loss.add_old_logprobs)(K.trim_padding(td)))
+        _, t_lp = timed(lambda: torch.no_grad()(trainer.unwrapped_loss.add_old_logprobs)(K.trim_padding(td)))
         trainer.replay_buffer.extend(td)
         micro = [mb.to(device) for mb in trainer.replay_buffer]  # the bare loop's micro-batches: the same rows
-        _, t_train = _timed(device, trainer._optimise)
+        _, t_train = timed(trainer._optimise)
         trainer.replay_buffer.empty()
-        _, t_bare = _timed(device, lambda: bare.step(micro))
+        _, t_bare = timed(lambda: bare.step(micro))
         if step >= args.warmup:
             for name, value in zip(phases, (t_gen, t_rew, t_lp, t_train, t_bare)):
                 phases[name].append(value)
@@ -191,10 +188,9 @@ def run(args) -> dict | None:
     if args.items:
         from grpo_accel.bench_items import measure_items
 
-        items = measure_items(trainer.unwrapped_loss.policy, tokenizer, engine, prompts, args.group, td, median,
+        items = measure_items(trainer.unwrapped_loss.policy, engine, prompts, args.group, td, median,
                               device, threads)
-        result["items"] = [{"name": it.name, "before": it.before, "after": it.after, "unit": it.unit,
-                            "ratio": it.ratio, "how": it.how} for it in items]
+        result["items"] = [it.to_json() for it in items]
     return result if accelerator.is_main_process else None
 
 
@@ -221,9 +217,9 @@ def table(result: dict) -> str:
               f"trainer overhead {result['trainer_overhead']:.3f} x bare Accelerate loop   peak memory per process "
               + " / ".join(f"{mb:.0f}" for mb in result["peak_memory_mb_per_process"]) + " MB"]
     if "items" in result:
-        from grpo_accel.bench_items import Item, items_table
+        from grpo_accel.bench_items import items_table
 
-        lines += ["", items_table([Item(**{k: v for k, v in it.items() if k != "ratio"}) for it in result["items"]])]
+        lines += ["", items_table(result["items"])]
     return "\n".join(lines)
 
 

@@ -7,9 +7,9 @@ and the same tokens, and reports ``before / after``: above 1 means the optimisat
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 import statistics
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
@@ -18,6 +18,7 @@ import torch
 from tensordict import TensorDict
 
 from grpo_accel import batch as K
+from grpo_accel.bench import timed
 
 BIG_VOCAB, BIG_TOKENS = 32768, 4096  # the chunked-logprob item: a realistic vocabulary and micro-batch
 RAGGED_COMPLETION = 128  # packing and trimming items: completions of 32..128 tokens (4x), prompts of 8..16
@@ -35,23 +36,15 @@ class Item:
     def ratio(self) -> float:
         return self.before / self.after if self.after > 0 else float("inf")
 
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "ratio": self.ratio}
+
 
 def median_time(fn: Callable[[], object], reps: int = 3, warmup: int = 1) -> float:
-    """Median wall time of ``fn`` over ``reps`` calls after ``warmup`` calls (synchronising CUDA)."""
-    times = []
-    for i in range(warmup + reps):
-        _sync()
-        start = time.perf_counter()
+    """Median wall time of ``fn`` over ``reps`` calls after ``warmup`` calls (CUDA work included)."""
+    for _ in range(warmup):
         fn()
-        _sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    return statistics.median(timed(fn)[1] for _ in range(reps))
 
 
 @contextmanager
@@ -105,7 +98,7 @@ def _forward_backward(loss_module, td: TensorDict) -> None:
     loss_module.zero_grad(set_to_none=True)
 
 
-def measure_items(model, tokenizer, engine, prompts: list[list[int]], group: int, rollout: TensorDict,
+def measure_items(model, engine, prompts: list[list[int]], group: int, rollout: TensorDict,
                   phases: dict[str, float], device: torch.device, threads: int) -> list[Item]:
     """Every speed item, measured now on ``model`` (a plain, unprepared module in one process)."""
     from grpo_accel.logprobs import selected_logprobs
@@ -215,8 +208,10 @@ def _threads_item(loss_module, td: TensorDict, threads: int) -> Item:
                 f"loss forward+backward with {4 * threads} threads / {threads} (cores / local processes)")
 
 
-def items_table(items: list[Item]) -> str:
+def items_table(items: list[dict]) -> str:
+    """The items (as ``Item.to_json`` writes them) as a text table."""
     lines = [f"{'speed item':<42}{'before':>10}{'after':>10}{'ratio':>8}  before / after"]
     for it in items:
-        lines.append(f"{it.name:<42}{it.before:>10.4g}{it.after:>10.4g}{it.ratio:>7.2f}x  {it.unit}: {it.how}")
+        lines.append(f"{it['name']:<42}{it['before']:>10.4g}{it['after']:>10.4g}{it['ratio']:>7.2f}x  "
+                     f"{it['unit']}: {it['how']}")
     return "\n".join(lines)
