@@ -38,6 +38,11 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def rank_state_file(folder: Path, rank: int) -> Path:
+    """Where rank ``rank`` keeps its trainer state in a checkpoint folder."""
+    return Path(folder) / f"trainer_state_rank{rank}.pt"
+
+
 def parameter_signature(named_shapes: list[tuple[str, tuple[int, ...]]]) -> str:
     """A digest of parameter names and full shapes: equal iff the model architecture is the same."""
     text = "\n".join(f"{name}:{list(shape)}" for name, shape in sorted(named_shapes))
@@ -239,7 +244,7 @@ class RunCheckpointer:
             shutil.rmtree(staging)
         acc.wait_for_everyone()
         acc.save_state(str(staging))
-        torch.save(rank_state, staging / f"trainer_state_rank{acc.process_index}.pt")
+        torch.save(rank_state, rank_state_file(staging, acc.process_index))
         acc.wait_for_everyone()
         final = self.checkpoint.directory / step_dir_name(step)
         if acc.is_main_process:
@@ -266,7 +271,7 @@ class RunCheckpointer:
         start = time.perf_counter()
         acc = self.accelerator
         Checkpoint.verify(path, num_processes=acc.num_processes, zero_stage=zero_stage(acc), signature=signature)
-        rank_file = Path(path) / f"trainer_state_rank{acc.process_index}.pt"
+        rank_file = rank_state_file(path, acc.process_index)
         try:
             acc.load_state(str(path))
             state = torch.load(rank_file, weights_only=True) if rank_file.is_file() or strict else None

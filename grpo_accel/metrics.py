@@ -19,21 +19,22 @@ def mean_over_processes(accelerator, stats: dict[str, float]) -> dict[str, float
 def rollout_scalars(accelerator, rollout: TensorDict, with_rewards: bool = True) -> dict[str, float]:
     """Reward (total and per function), completion length, truncation and weight version over all processes."""
     keys = [K.REWARD] + [(K.REWARDS, name) for name in rollout[K.REWARDS].keys()]
+    # e.g. dynamic sampling's "stats": one value per row, averaged
+    stats = list(rollout["stats"].keys()) if "stats" in rollout.keys() else []
     columns = [rollout[k].float() for k in keys] + [
         rollout[K.COMPLETION_MASK].sum(-1).float(),
         (rollout[K.FINISH_REASON] == K.FINISH_LENGTH).float(),
         rollout[K.WEIGHT_VERSION].float(),
-    ]
-    every = accelerator.gather(torch.stack(columns, dim=1).to(accelerator.device))  # [n * processes, k]
+    ] + [rollout["stats", name].float() for name in stats]
+    every = accelerator.gather(torch.stack(columns, dim=1).to(accelerator.device))  # [n * processes, k]: one gather
     n = len(keys)
     out = {
         "train/completion_length_mean": float(every[:, n].mean()),
         "train/truncated_fraction": float(every[:, n + 1].mean()),
         "train/weight_version_mean": float(every[:, n + 2].mean()),
     }
-    if "stats" in rollout.keys():  # e.g. dynamic sampling: one value per row, averaged
-        for name in rollout["stats"].keys():
-            out[f"train/{name}"] = float(accelerator.gather(rollout["stats", name].float().to(accelerator.device)).mean())
+    for j, name in enumerate(stats, start=n + 3):
+        out[f"train/{name}"] = float(every[:, j].mean())
     if with_rewards:
         out["train/reward_mean"], out["train/reward_std"] = float(every[:, 0].mean()), float(every[:, 0].std())
         for j, key in enumerate(keys[1:], start=1):
