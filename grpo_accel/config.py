@@ -83,7 +83,8 @@ class RolloutConfig:
     urls: list[str] = field(default_factory=list)
     """SGLang: one server URL per engine replica, e.g. [http://10.0.0.2:30000]."""
     api_key: str | None = None
-    """SGLang: sent as a bearer token (the server's --api-key / admin key)."""
+    """SGLang: the servers' --api-key, sent as a bearer token (/generate, /server_info; weight endpoints too when
+    the servers have no --admin-api-key)."""
     health_timeout_s: float = 300.0
     """SGLang: how long to wait for /health on every server at start."""
     request_retries: int = 3
@@ -245,8 +246,11 @@ class WeightSyncConfig:
     """dtype the servers hold the weights in."""
     disk_path: str | None = None
     """disk: folder the servers can read (default output_dir/weights)."""
+    admin_api_key: str | None = None
+    """The servers' --admin-api-key: weight, pause and session endpoints need it when a server has one."""
     verify_names: int = 2
-    """After each update, compare this many parameters with /get_weights_by_name (0: off)."""
+    """After each update, compare this many parameters with /get_weights_by_name, or where the served model does
+    not implement it, a 32-token logprob probe and the reported weight version (0: no check)."""
     max_attempts: int = 2
     """Full pushes tried before stopping with an error and a checkpoint."""
     timeout_s: float = 600.0

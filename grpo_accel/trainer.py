@@ -182,6 +182,8 @@ class GRPOTrainer:
         """
         if self.checkpoint is not None and (path := self.checkpoint.resume_path()) is not None:
             self._resume(path)
+            if hasattr(self.weight_sync_sender, "push"):  # the engine's weights are unknown to a new process
+                self.weight_sync_sender.push(self.weight_version)
         bar = self._progress()
         source = self.collector
         if self.async_collection:

@@ -1,10 +1,67 @@
 #!/usr/bin/env bash
-# GPU check (installs nothing; needs torch with CUDA, transformers, accelerate, tensordict): the benchmark on a
-# ~0.5B-parameter built-in Llama in bf16, one process. Prints the phase table, MFU and tokens/s; < 5 minutes.
-#   bash launch/gpu_check.sh [out.json]
+# Checks that need a GPU; each prints its verdicts. Under 8 minutes each on one H100/H200 with a fast network.
+#
+#   bash launch/gpu_check.sh bench [out.json]   # the benchmark on a ~0.5B built-in Llama in bf16 (no installs)
+#   bash launch/gpu_check.sh sglang             # real SGLang: install, serve SmolLM2-135M-Instruct, train, compare
+#
+# sglang: makes .venv-sglang with sglang==${SGLANG_VERSION:-0.5.23} (it pins its own CUDA torch) and grpo_accel,
+# converts SmolLM2-135M-Instruct (python -m grpo_accel.models), starts a server with
+# --enable-deterministic-inference, runs a short GRPO job with rollout.backend=sglang, then
+# launch/check_sglang.py compares the server's release, weight version, weights (/get_weights_by_name: SmolLM2
+# is a Llama) and greedy generations with the job's final weights. With 2+ GPUs the server gets GPU 1 and the
+# weights go over NCCL (weight_sync.method=distributed); on one GPU NCCL cannot work (it needs one device per
+# rank), so the same-node CUDA IPC path (method=tensor) runs instead and the NCCL verdict says SKIP.
+# SGLANG_PYTHON=/path/to/python uses an existing SGLang install instead of making .venv-sglang.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+mode=${1:-sglang}
 python=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
-"$python" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
-exec "$python" -m grpo_accel.bench --size 500m --dtype bfloat16 --steps 3 --warmup 1 --prompts 16 --group 8 \
-  --max-new-tokens 128 --micro-batch 32 --fixed-length --out "${1:-gpu_bench.json}"
+
+if [ "$mode" = bench ]; then
+  "$python" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
+  exec "$python" -m grpo_accel.bench --size 500m --dtype bfloat16 --steps 3 --warmup 1 --prompts 16 --group 8 \
+    --max-new-tokens 128 --micro-batch 32 --fixed-length --out "${2:-gpu_bench.json}"
+fi
+[ "$mode" = sglang ] || { echo "usage: bash launch/gpu_check.sh bench|sglang" >&2; exit 2; }
+
+verdict() { printf '%-4s  %s\n' "$1" "$2"; }
+gpus=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
+[ "$gpus" -ge 1 ] || { verdict FAIL "no GPU (nvidia-smi lists none)"; exit 1; }
+out=runs/gpu_check
+mkdir -p "$out"
+start=$SECONDS
+
+sg=${SGLANG_PYTHON:-.venv-sglang/bin/python}
+if [ -z "${SGLANG_PYTHON:-}" ] && [ ! -x "$sg" ]; then
+  python3 -m venv .venv-sglang
+  "$sg" -m pip install -q "sglang==${SGLANG_VERSION:-0.5.23}"
+fi
+"$sg" -m pip install -q -e . >/dev/null
+verdict PASS "installed: $("$sg" -c 'import sglang, torch; print("sglang", sglang.__version__, "torch", torch.__version__)') ($((SECONDS - start)) s)"
+
+model=$out/smollm2-135m
+[ -f "$model/config.json" ] || "$sg" -m grpo_accel.models smollm2-135m "$model"
+
+port=${PORT:-30000}
+if [ "$gpus" -ge 2 ]; then server_gpu=1; method=distributed; mem=0.8; else server_gpu=0; method=tensor; mem=0.4; fi
+CUDA_VISIBLE_DEVICES=$server_gpu "$sg" -m sglang.launch_server --model-path "$model" --port "$port" \
+  --enable-deterministic-inference --mem-fraction-static "$mem" >"$out/server.log" 2>&1 &
+server=$!
+trap 'kill $server 2>/dev/null' EXIT
+for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
+curl -sf "http://127.0.0.1:$port/health" >/dev/null || { verdict FAIL "server did not start: tail $out/server.log"; exit 1; }
+verdict PASS "server up on GPU $server_gpu ($((SECONDS - start)) s)"
+
+run=$out/run_$method
+rm -rf "$run"
+CUDA_VISIBLE_DEVICES=0 "$sg" -m accelerate.commands.launch --config_file accelerate_configs/single_process.yaml \
+  launch/train.py output_dir="$run" model.name_or_path="$model" rollout.backend=sglang \
+  "rollout.urls=[http://127.0.0.1:$port]" weight_sync.method=$method weight_sync.backend=nccl \
+  weight_sync.dtype=bfloat16 rollout.prompts_per_step=8 rollout.group_size=4 rollout.max_new_tokens=32 \
+  trainer.total_frames=96 trainer.micro_batch_completions=32 trainer.progress_bar=false \
+  checkpoint.interval_frames=null >"$out/train_$method.log" 2>&1 \
+  && verdict PASS "GRPO job with weight_sync.method=$method: $(grep -o '"iterations": [0-9]*' "$run/summary.json"), sync $(grep -o '"weight_sync_s": [0-9.]*' "$run/summary.json") s ($((SECONDS - start)) s)" \
+  || { verdict FAIL "GRPO job with weight_sync.method=$method: tail $out/train_$method.log"; exit 1; }
+[ "$method" = distributed ] || verdict SKIP "NCCL weight sync: one GPU (NCCL needs a device per rank); tensor path checked instead"
+"$sg" launch/check_sglang.py --url "http://127.0.0.1:$port" --run "$run"
+verdict PASS "done in $((SECONDS - start)) s"

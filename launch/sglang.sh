@@ -5,6 +5,8 @@
 #
 # One SGLang server per GPU in SERVER_GPUS (ports BASE_PORT, BASE_PORT+1, ...); the trainer runs with
 # ACCELERATE_CONFIG (default ZeRO-3) on TRAIN_GPUS and pushes weights to every server over NCCL after each batch.
+# SERVER_FLAGS go to every server (default --enable-deterministic-inference, without which SGLang ignores the
+# trainer's sampling_seed and rollouts are not reproducible; SERVER_FLAGS="" trades that for speed).
 # Servers on other machines: skip this script and pass rollout.urls=[http://host:port,...] and
 # weight_sync.master_address=<an address of training rank 0 that the servers reach> to launch/train.py.
 # DRY_RUN=1 prints the commands instead of running them.
@@ -16,6 +18,7 @@ train_gpus=${TRAIN_GPUS:-1}
 base_port=${BASE_PORT:-30000}
 python=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 address=${MASTER_ADDRESS:-127.0.0.1}
+server_flags=(${SERVER_FLAGS---enable-deterministic-inference})
 run() { if [ -n "${DRY_RUN:-}" ]; then echo "$*"; else "$@"; fi; }
 
 urls=()
@@ -24,9 +27,9 @@ for i in "${!server_gpus[@]}"; do
   port=$((base_port + i))
   urls+=("http://127.0.0.1:$port")
   if [ -n "${DRY_RUN:-}" ]; then
-    echo "CUDA_VISIBLE_DEVICES=${server_gpus[$i]} $python -m sglang.launch_server --model-path $MODEL --port $port"
+    echo "CUDA_VISIBLE_DEVICES=${server_gpus[$i]} $python -m sglang.launch_server --model-path $MODEL ${server_flags[*]} --port $port"
   else
-    CUDA_VISIBLE_DEVICES=${server_gpus[$i]} "$python" -m sglang.launch_server --model-path "$MODEL" --port "$port" &
+    CUDA_VISIBLE_DEVICES=${server_gpus[$i]} "$python" -m sglang.launch_server --model-path "$MODEL" "${server_flags[@]}" --port "$port" &
     pids+=($!)
   fi
 done

@@ -122,7 +122,7 @@ def build_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
         engine = SGLangEngine(r.urls, tokenizer, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                               top_p=r.top_p, top_k=r.top_k, api_key=r.api_key, health_timeout_s=r.health_timeout_s,
                               retries=r.request_retries)
-        common = dict(api_key=r.api_key, bucket_mb=w.bucket_mb, dtype=getattr(torch, w.dtype),
+        common = dict(api_key=r.api_key, admin_api_key=w.admin_api_key, bucket_mb=w.bucket_mb, dtype=getattr(torch, w.dtype),
                       max_attempts=w.max_attempts, verify_names=w.verify_names, timeout_s=w.timeout_s)
         if w.method == "distributed":
             sender = senders.DistributedWeightSender(accelerator, model, r.urls, master_address=w.master_address,
@@ -160,6 +160,7 @@ def summarize(trainer, wall_s: float) -> dict:
         "weight_sync_s": round(getattr(trainer.weight_sync_sender, "last_sync_s", 0.0), 4),
         "weight_sync_peak_extra_bytes": getattr(getattr(trainer.weight_sync_sender, "gather", None), "peak_extra_bytes", 0),
         "final_iteration": trainer.iterations,
+        "weight_version": trainer.weight_version,
         "stop_reason": trainer._stop_reason,
         "reward_first10_mean": sum(rewards[:k]) / max(k, 1),
         "reward_last10_mean": sum(rewards[-k:]) / max(k, 1),
@@ -183,7 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     if trainer.accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        if hasattr(trainer.weight_sync_sender, "close"):  # SGLang senders leave no group behind on the servers
+            trainer.weight_sync_sender.close()
     trainer.accelerator.wait_for_everyone()
     if trainer.accelerator.is_main_process:
         summary = summarize(trainer, time.perf_counter() - start)

@@ -1,24 +1,47 @@
-"""A loopback stand-in for an SGLang server, written from ../shared/docs/sglang-protocol.md (0.5.9 baseline).
+"""A loopback stand-in for an SGLang server of a given release, built from that release's own code and source.
 
-    python tests/sglang_standin.py --port 30000 --model DIR [--api-key KEY] [--tp-size 1] [--startup-delay 0]
+    python tests/sglang_standin.py --port 30000 --model DIR --sglang-version 0.5.23 [--api-key KEY]
+        [--admin-api-key KEY] [--deterministic] [--dp-size N] [--pp-size N] [--startup-delay S]
 
-It serves a tiny transformers model and is strict where SGLang is: unknown body keys or sampling params
-(0.5.23 schema validation), both/neither of text and input_ids, mismatched batch lengths, differing ``n``
--> HTTP 400 ``{"error": {"message": ...}}``; a missing bearer key -> 401; ``/health`` is 503 until started.
-It joins the weight-update group as a real torch.distributed (gloo) peer and receives each bucket exactly as
-announced (tensors in ``names`` order with the announced dtype/shape, or one uint8 buffer for
-``flattened_bucket``); it loads them only after receiving, so a wrong name/shape fails the update with
-``success: false`` and "weights may be partially updated" like SGLang. ``flush_cache=true`` fails while
-requests run; an update waits for in-flight /generate requests unless generation is paused (writer lock).
+A real SGLang server needs a GPU; this one serves a transformers model on CPU and takes from SGLang's source
+(tests/sglang_source.py) everything that decides whether the trainer and a real server agree:
 
-Test control, outside the protocol: ``POST /_standin/fail {"path": "/update_weights_from_distributed",
-"times": 1, "how": "success_false" | "http_500" | "abort"}`` makes the next calls of ``path`` fail (a distributed update
-still receives its tensors first, as a failing SGLang load would);
-``GET /_standin/state`` returns the weight version, the number of updates and every parameter as lists.
+- routes, methods and auth levels: srt/entrypoints/http_server.py; the auth decision itself is SGLang's
+  ``decide_request_auth`` (srt/utils/auth.py); a path the release does not have is a 404;
+- request validation: SGLang's own request classes (srt/managers/io_struct.py) through pydantic, as FastAPI
+  does (400 on a violation); /generate bodies through SGLang's contract (sglang/api/v1/api_types.py, 0.5.22+;
+  ``SamplingParams.__init__``'s parameters before). Unlike SGLang it also refuses fields the request classes do
+  not have (SGLang ignores them), so that a misspelt field fails a test instead of being dropped;
+- the weight-update group join: SGLang's ``init_custom_process_group`` (srt/utils/common.py), called as
+  ``WeightUpdater.init_weights_update_group`` calls it (srt/model_executor/model_runner_components/
+  weight_updater.py in 0.5.23, model_runner.py in 0.5.9): rank = rank_offset + tp_rank, no timeout;
+- the flattened-bucket layout: SGLang's ``FlattenedTensorBucket`` (srt/weight_sync/tensor_bucket.py);
+- the weight-update session (0.5.21+): the guards and messages read from
+  srt/managers/scheduler_components/weight_updater.py (``SchedulerWeightUpdaterManager``);
+- ``/get_weights_by_name``: answered only for model classes that implement it in srt/models/ (else 400 "Get
+  parameter by name failed", srt/entrypoints/http_server.py ``get_weights_by_name``), rows as
+  ``LlamaForCausalLM.get_weights_by_name`` returns them (srt/models/llama.py): ``tolist()[:truncate_size]``;
+- ``sampling_seed`` is honoured only with ``--deterministic`` (SGLang's ``--enable-deterministic-inference``,
+  srt/sampling/sampling_batch_info.py ``from_schedule_batch``).
+
+Re-implemented from the source (cited where they are): receiving the broadcasts (per tensor: ``torch.empty`` +
+async ``broadcast`` in ``names`` order, then wait; flattened: one broadcast), loading after the receive (a wrong
+name or shape fails with "partially updated"), the flush that fails while requests run, the reader/writer lock
+that makes an update wait for in-flight /generate unless generation is paused, ``/pause_generation`` with
+mode=abort, the response bodies and status codes of srt/entrypoints/http_server.py.
+
+Nothing here imports grpo_accel. Test control, outside the protocol: ``POST /_standin/fail {"path", "times",
+"how"}`` makes the next calls of ``path`` fail, how = "success_false" (an update receives, then fails to load),
+"refuse" (an update is refused before it receives, as a closed session refuses it), "ignore" (an update is
+received and answered with success but not loaded: a broken server), "http_500", "abort" (a /generate's requests
+come back aborted) or "hang" (an /init_weights_update_group that never joins);
+``GET /_standin/state`` returns the weight version, the number of loads, the requests seen and every parameter;
+``GET /_standin/digest`` a SHA-256 of every parameter (as float32 bytes).
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import threading
@@ -28,43 +51,57 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sglang_source import SGLangSource  # noqa: E402
 
-GENERATE_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
-                 "return_text_in_logprobs", "rid", "stream", "lora_path"}
-SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
-                 "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "n", "sampling_seed"}
-UPDATE_KEYS = {"names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests", "weight_version",
-               "load_format"}
+IMPLEMENTED = {"/health", "/health_generate", "/server_info", "/get_server_info", "/model_info", "/get_model_info",
+               "/generate", "/flush_cache", "/pause_generation", "/continue_generation", "/init_weights_update_group",
+               "/destroy_weights_update_group", "/update_weights_from_distributed", "/update_weights_from_disk",
+               "/begin_weight_update", "/end_weight_update", "/get_weights_by_name"}
+PARTIAL = "The full weights of the ModelRunner are partially updated. Please discard the whole weights."
 
 
-class BadRequest(Exception):
-    pass
+class HTTPError(Exception):
+    def __init__(self, status: int, payload) -> None:
+        super().__init__(str(payload))
+        self.status, self.payload = status, payload
+
+
+def bad_request(message: str) -> HTTPError:
+    """SGLang's ``validation_exception_handler`` body (an ``ErrorResponse``)."""
+    return HTTPError(400, {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400})
 
 
 class Server:
-    def __init__(self, model_dir: str, tp_size: int, api_key: str | None, startup_delay: float) -> None:
+    def __init__(self, source: SGLangSource, args) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model_dir, self.tp_size, self.api_key = model_dir, tp_size, api_key
-        self.ready_at = time.monotonic() + startup_delay
-        self.weight_version, self.updates = "default", 0
+        self.source, self.args = source, args
+        self.model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(args.model)
+        self.architecture = self.model.config.architectures[0]
+        self.ready_at = time.monotonic() + args.startup_delay
+        self.weight_version, self.loads = "default", 0
         self.paused, self.running = False, 0
         self.lock = threading.Condition()
         self.groups: dict[str, object] = {}
-        self.failures: dict[str, list] = {}
+        self.session_open = False
+        self.failures: dict[str, list[str]] = {}
+        self.requests: list[tuple[str, dict]] = []
+        # The server's own default group (its tensor-parallel group; one rank here): SGLang's WeightUpdater
+        # asserts it exists before joining a weight-update group.
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
     # -- generation ------------------------------------------------------------------------------------
 
     def generate(self, body: dict):
-        unknown = set(body) - GENERATE_KEYS
-        if unknown:
-            raise BadRequest(f"unknown fields {sorted(unknown)}")
+        error = self.source.generate_contract_error(body)
+        if error is not None:
+            raise HTTPError(400, {"error": error})
         if ("text" in body) == ("input_ids" in body):
-            raise BadRequest("Either text or input_ids should be provided, not both or neither.")
+            raise HTTPError(400, {"error": {"message": "Either text or input_ids should be provided."}})
         if "text" in body:
             texts = body["text"] if isinstance(body["text"], list) else [body["text"]]
             prompts, single = [self.tokenizer(t)["input_ids"] for t in texts], not isinstance(body["text"], list)
@@ -72,26 +109,17 @@ class Server:
             ids = body["input_ids"]
             single = bool(ids) and isinstance(ids[0], int)
             prompts = [ids] if single else ids
-            if not all(isinstance(p, list) and all(isinstance(i, int) for i in p) for p in prompts):
-                raise BadRequest("input_ids must be a list of ints or a list of lists of ints")
-        if body.get("stream"):
-            raise BadRequest("this stand-in does not stream")
-        params = body.get("sampling_params", {})
+        params = body.get("sampling_params") or {}
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
-            raise BadRequest(f"sampling_params has {len(params)} entries for a batch of {len(prompts)}")
-        for p in params:
-            if set(p) - SAMPLING_KEYS:
-                raise BadRequest(f"unknown sampling params {sorted(set(p) - SAMPLING_KEYS)}")
-        if len({p.get("n", 1) for p in params}) > 1:
-            raise BadRequest("n must be the same in every sampling_params of a batch")
+            raise HTTPError(400, {"error": {"message": f"sampling_params has {len(params)} entries for a batch "
+                                                       f"of {len(prompts)}"}})
         with self.lock:
             while self.paused:
                 self.lock.wait()
             self.running += 1
         try:
-            out = [self._sample(prompt, p, body.get("return_logprob", False))
-                   for prompt, p in zip(prompts, params) for _ in range(p.get("n", 1))]
+            out = [self._sample(prompt, p, body) for prompt, p in zip(prompts, params) for _ in range(p.get("n", 1))]
         finally:
             with self.lock:
                 self.running -= 1
@@ -99,15 +127,23 @@ class Server:
         return out[0] if single and len(out) == 1 else out
 
     @torch.no_grad()
-    def _sample(self, prompt: list[int], p: dict, return_logprob: bool) -> dict:
+    def _sample(self, prompt: list[int], p: dict, body: dict) -> dict:
         start = time.monotonic()
         temperature, top_k, top_p = p.get("temperature", 1.0), p.get("top_k", -1), p.get("top_p", 1.0)
         max_new = p.get("max_new_tokens", 128)
         stop_ids = set(p.get("stop_token_ids") or []) | ({self.tokenizer.eos_token_id} if not p.get("ignore_eos") else set())
-        gen = torch.Generator().manual_seed(p["sampling_seed"]) if p.get("sampling_seed") is not None else None
+        seed = p.get("sampling_seed") if self.args.deterministic else None  # ignored without the flag
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
         ids, out, logprobs, reason = list(prompt), [], [], {"type": "length", "length": max_new}
-        for _ in range(max_new):
-            logits = self.model(torch.tensor([ids])).logits[0, -1].float()
+        start_len = body.get("logprob_start_len", -1)
+        input_logprobs = None
+        for step in range(max_new):
+            logits = self.model(torch.tensor([ids])).logits[0].float()  # [len(ids), V]
+            if step == 0 and start_len is not None and start_len >= 0:  # [None] + logprob of each next prompt token
+                lp = torch.log_softmax(logits[:-1] / (temperature if temperature >= 1e-6 else 1.0), -1)
+                values = lp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+                input_logprobs = [[v, t, None] for v, t in zip([None] + values, ids)][start_len:]
+            logits = logits[-1]
             if temperature < 1e-6:
                 token = int(logits.argmax())
                 lp = torch.log_softmax(logits, -1)
@@ -131,92 +167,137 @@ class Server:
         meta = {"id": uuid.uuid4().hex, "finish_reason": reason, "prompt_tokens": len(prompt),
                 "completion_tokens": len(out), "cached_tokens": 0, "weight_version": self.weight_version,
                 "e2e_latency": time.monotonic() - start}
-        if return_logprob:
+        if body.get("return_logprob"):
             meta["output_token_logprobs"] = logprobs
+            if input_logprobs is not None:
+                meta["input_token_logprobs"] = input_logprobs
         text = self.tokenizer.decode([t for t in out if t not in stop_ids], skip_special_tokens=True)
         return {"text": text, "output_ids": out, "meta_info": meta}
 
     # -- weights ---------------------------------------------------------------------------------------
 
-    def init_group(self, body: dict) -> dict:
-        from grpo_accel.weight_sync.group import init_weight_update_group
+    def guard(self, method: str) -> dict | None:
+        """The session guard of ``method`` (0.5.21+), as ``SchedulerWeightUpdaterManager`` applies it."""
+        guard = self.source.session_guards.get(method)
+        if guard is None:
+            return None
+        if (guard.refuse_when == "closed") != self.session_open:
+            return {"success": False, "message": guard.message}
+        return None
 
-        for key in ("master_address", "master_port", "rank_offset", "world_size"):
-            if key not in body:
-                raise BadRequest(f"missing {key}")
-        backend = body.get("backend", "nccl")
-        if backend == "nccl" and not torch.cuda.is_available():
-            return {"success": False, "message": "Failed to init group: NCCL needs a GPU"}
-        name = body.get("group_name", "weight_update_group")
-        if name in self.groups:
-            return {"success": False, "message": f"Failed to init group: group {name!r} exists; destroy it first"}
-        self.groups[name] = init_weight_update_group(backend, body["master_address"], int(body["master_port"]),
-                                                     int(body["rank_offset"]), int(body["world_size"]), name, 60)
+    def init_group(self, req) -> dict:
+        name = req.group_name
+        rank = req.rank_offset + 0  # + tp_rank: one rank here
+        if name in self.groups:  # torch refuses a second group of that name inside init_custom_process_group
+            return {"success": False, "message": f"Failed to initialize custom process group: The specified group "
+                                                 f"name {name} has already been created."}
+        try:
+            self.groups[name] = self.source.init_custom_process_group(
+                backend=req.backend, init_method=f"tcp://{req.master_address}:{req.master_port}",
+                world_size=req.world_size, rank=rank, group_name=name)
+        except Exception as exc:  # noqa: BLE001 (SGLang reports any failure this way)
+            return {"success": False, "message": f"Failed to initialize custom process group: {exc}."}
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
-    def update_distributed(self, body: dict, fail: bool = False) -> dict:
-        from grpo_accel.weight_sync.group import broadcast
+    def destroy_group(self, req) -> dict:
+        if req.group_name not in self.groups:
+            return {"success": False, "message": "The group to be destroyed does not exist."}
+        dist.destroy_process_group(self.groups.pop(req.group_name))
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
 
-        if set(body) - UPDATE_KEYS:
-            raise BadRequest(f"unknown fields {sorted(set(body) - UPDATE_KEYS)}")
-        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
-        if not (len(names) == len(dtypes) == len(shapes)):
-            raise BadRequest("names, dtypes and shapes must have the same length")
-        group = self.groups.get(body.get("group_name", "weight_update_group"))
+    def session(self, begin: bool) -> dict:
+        refusal = self.guard("begin_weight_update" if begin else "end_weight_update")
+        if refusal is not None:
+            return refusal
+        self.session_open = begin
+        return {"success": True, "message": "Success"}
+
+    def update_distributed(self, req, how: str | None) -> dict:
+        refusal = self.guard("update_weights_from_distributed")
+        if how == "refuse":
+            refusal = {"success": False, "message": self.source.session_guards.get("update_weights_from_distributed",
+                                                                                   _NO_SESSION).message}
+        if refusal is not None:
+            return refusal  # nothing was received: the trainer's broadcast has no partner
+        group = self.groups.get(req.group_name)
         if group is None:
-            return {"success": False, "message": "weight update group not initialized"}
-        tensors = [torch.empty(s, dtype=getattr(torch, d)) for s, d in zip(shapes, dtypes)]
+            return {"success": False, "message": f"Failed to receive weights: Group {req.group_name} not in "
+                                                 f"{list(self.groups)}. Please call `init_weights_update_group` first."}
         with self._writer():
-            if body.get("load_format") == "flattened_bucket":
-                flat = torch.empty(sum(t.numel() * t.element_size() for t in tensors), dtype=torch.uint8)
-                broadcast(group, flat)
-                offset = 0
-                for t in tensors:
-                    n = t.numel() * t.element_size()
-                    t.view(-1).view(torch.uint8).copy_(flat[offset : offset + n])
-                    offset += n
-            else:
-                for t in tensors:
-                    broadcast(group, t)
-            if fail:
-                return {"success": False, "message": "injected load failure; weights may be partially updated"}
-            return self._load(dict(zip(names, tensors)), body)
+            tensors = self._receive(group, req)
+            if how == "success_false":
+                return {"success": False, "message": f"Failed to update parameter online: injected. {PARTIAL}"}
+            if how == "ignore":  # a broken server: claims the update, keeps its weights
+                self.weight_version = str(req.weight_version) if req.weight_version is not None else self.weight_version
+                return {"success": True, "message": "Succeeded to update parameter online."}
+            return self._load(dict(tensors), req.flush_cache, req.weight_version)
 
-    def update_disk(self, body: dict) -> dict:
+    def _receive(self, group, req) -> list[tuple[str, torch.Tensor]]:
+        """As ``receive_weights_from_distributed`` / ``_receive_bucketed_weights_from_distributed`` do."""
+        if req.load_format == "flattened_bucket":
+            cls = self.source.FlattenedTensorBucket
+            if hasattr(cls, "empty"):  # 0.5.23
+                bucket = cls.empty(req.names, req.dtypes, req.shapes, "cpu")
+            else:  # 0.5.9: the bucket is built from empty named tensors
+                bucket = cls(named_tensors=[(n, torch.empty(s, dtype=getattr(torch, d)))
+                                            for n, d, s in zip(req.names, req.dtypes, req.shapes)])
+            dist.broadcast(bucket.get_flattened_tensor(), src=0, group=group)
+            return bucket.reconstruct_tensors()
+        weights, handles = [], []
+        for name, dtype, shape in zip(req.names, req.dtypes, req.shapes):
+            weight = torch.empty(shape, dtype=getattr(torch, dtype))
+            handles.append(dist.broadcast(weight, src=0, group=group, async_op=True))
+            weights.append((name, weight))
+        for handle in handles:
+            handle.wait()
+        return weights
+
+    def update_disk(self, req) -> dict:
         from safetensors.torch import load_file
 
-        folder = Path(body["model_path"])
-        files = sorted(folder.glob("*.safetensors"))
+        files = sorted(Path(req.model_path).glob("*.safetensors"))
         if not files:
-            return {"success": False, "message": f"no safetensors in {folder}", "num_paused_requests": 0}
+            return {"success": False, "message": f"Failed to get weights iterator: no safetensors in {req.model_path}.",
+                    "num_paused_requests": 0}
         state = {}
         for f in files:
             state.update(load_file(str(f)))
         with self._writer():
-            return {**self._load(state, body), "num_paused_requests": 0}
+            return {**self._load(state, req.flush_cache, req.weight_version), "num_paused_requests": 0}
 
-    def _load(self, state: dict, body: dict) -> dict:
+    def _load(self, state: dict, flush_cache: bool, weight_version) -> dict:
         params = dict(self.model.named_parameters())
         for name, t in state.items():
             if name not in params or tuple(params[name].shape) != tuple(t.shape):
-                return {"success": False, "message": f"Failed to update weights: {name} {tuple(t.shape)} does not fit "
-                        "the model. Weights may be partially updated."}
+                return {"success": False, "message": f"Failed to update parameter online: {name} {tuple(t.shape)} "
+                                                     f"does not fit the model. {PARTIAL}"}
             with torch.no_grad():
                 params[name].copy_(t.to(params[name].dtype))
-        if body.get("flush_cache", True) and self.running:
-            return {"success": False, "message": "flush_cache failed: requests are running"}
-        if body.get("weight_version") is not None:
-            self.weight_version = str(body["weight_version"])
-        self.updates += 1
-        return {"success": True, "message": "Succeeded to update model weights."}
+        self.loads += 1
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
+        if flush_cache and self.running:
+            return {"success": False, "message": "Weights were updated, but the cache was not flushed because "
+                                                 "requests are still running or queued."}
+        return {"success": True, "message": "Succeeded to update parameter online."}
+
+    def weights_by_name(self, req):
+        if self.architecture not in self.source.weights_by_name_architectures:
+            raise HTTPError(400, {"error": {"message": "Get parameter by name failed"}})
+        params = dict(self.model.named_parameters())
+        if req.name not in params:
+            raise HTTPError(400, {"error": {"message": "Get parameter by name failed"}})
+        return params[req.name].detach().float().tolist()[: req.truncate_size]
 
     def _writer(self):
+        """An update waits for in-flight requests unless generation is paused (the tokenizer manager's
+        ``model_update_lock.writer_lock``)."""
         server = self
 
         class Writer:
             def __enter__(self):
                 with server.lock:
-                    while server.running and not server.paused:  # an update waits for in-flight requests
+                    while server.running and not server.paused:
                         server.lock.wait()
 
             def __exit__(self, *exc):
@@ -224,8 +305,18 @@ class Server:
 
         return Writer()
 
+    def server_info(self) -> dict:
+        return {"tp_size": 1, "dp_size": self.args.dp_size, "pp_size": self.args.pp_size,
+                "enable_deterministic_inference": self.args.deterministic, "version": self.source.version_string,
+                "model_path": self.args.model}
+
+
+_NO_SESSION = type("Guard", (), {"message": "Failed to receive weights: refused"})()
+
 
 def make_handler(server: Server):
+    source = server.source
+
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
             pass
@@ -240,84 +331,115 @@ def make_handler(server: Server):
 
         def _handle(self, method: str) -> None:
             path = self.path.split("?")[0]
-            if server.api_key and self.headers.get("Authorization") != f"Bearer {server.api_key}":
-                return self._send(401, {"error": {"message": "Unauthorized"}})
             length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length else b""
             try:
-                body = json.loads(self.rfile.read(length) or b"{}") if method == "POST" else {}
-            except json.JSONDecodeError as exc:
-                return self._send(400, {"error": {"message": f"invalid JSON: {exc}"}})
-            failures = server.failures.get(path)
+                if path.startswith("/_standin/"):
+                    return self._send(200, self._control(path, json.loads(raw or b"{}")))
+                route = source.routes.get(path)
+                if route is None:
+                    raise HTTPError(404, {"detail": "Not Found"})
+                if method not in route.methods:
+                    raise HTTPError(405, {"detail": "Method Not Allowed"})
+                decision = source.auth.decide_request_auth(
+                    method=method, path=path, authorization_header=self.headers.get("Authorization"),
+                    api_key=server.args.api_key, admin_api_key=server.args.admin_api_key,
+                    auth_level=source.auth.AuthLevel[route.auth_level])
+                if not decision.allowed:
+                    raise HTTPError(decision.error_status_code,
+                                    {"error": "Unauthorized" if decision.error_status_code == 401 else "Forbidden"})
+                if path not in IMPLEMENTED:
+                    raise HTTPError(501, {"error": {"message": f"the stand-in does not implement {path}"}})
+                try:
+                    body = json.loads(raw) if raw else {}
+                except json.JSONDecodeError as exc:
+                    raise bad_request(f"invalid JSON: {exc}") from None
+                server.requests.append((path, body))
+                self._send(200, self._route(path, body, route))
+            except HTTPError as exc:
+                self._send(exc.status, exc.payload)
+
+        def _validated(self, route, body):
+            """FastAPI's validation with SGLang's class, plus the stand-in's refusal of unknown fields."""
+            unknown = set(body) - source.field_names(route.request_class)
+            if unknown:
+                raise bad_request(f"unknown fields {sorted(unknown)} for {route.request_class} (SGLang ignores "
+                                  "them; the stand-in refuses them so that a misspelt field fails a test)")
+            try:
+                return source.validate(route.request_class, body)
+            except ValueError as exc:
+                raise bad_request(str(exc)) from None
+
+        def _route(self, path: str, body: dict, route):
+            s = server
+            failures = s.failures.get(path)
             how = failures.pop(0) if failures else None
             if how == "http_500":
-                return self._send(500, {"error": {"message": "injected failure"}})
-            if how == "abort" and path == "/generate":  # SGLang aborted the requests (e.g. a pause with mode=abort)
-                items = server.generate(body)
-                for item in items if isinstance(items, list) else [items]:
-                    item["meta_info"]["finish_reason"] = {"type": "abort", "message": "Abort before prefill",
-                                                          "status_code": 503, "err_type": None}
-                return self._send(200, items)
-            if how == "success_false" and path != "/update_weights_from_distributed":
-                return self._send(200, {"success": False, "message": "injected failure; weights may be partially updated"})
-            try:
-                if how == "success_false":  # receive the announced tensors first, then fail, as SGLang's load would
-                    return self._send(200, server.update_distributed(body, fail=True))
-                self._route(method, path, body)
-            except BadRequest as exc:
-                self._send(400, {"error": {"message": str(exc)}})
-
-        def _route(self, method: str, path: str, body: dict) -> None:
-            s = server
+                raise HTTPError(500, {"error": {"message": "injected failure"}})
             if path in ("/health", "/health_generate"):
-                return self._send(200 if time.monotonic() >= s.ready_at else 503, "")
+                if time.monotonic() < s.ready_at:
+                    raise HTTPError(503, "")
+                return ""
             if time.monotonic() < s.ready_at:
-                return self._send(503, {"error": {"message": "starting"}})
-            if path in ("/get_model_info", "/model_info"):
-                return self._send(200, {"model_path": s.model_dir, "weight_version": s.weight_version,
-                                        "is_generation": True})
-            if path in ("/get_server_info", "/server_info"):
-                return self._send(200, {"tp_size": s.tp_size, "dp_size": 1, "version": "0.5.9-standin"})
-            if path == "/_standin/state":
-                return self._send(200, {"weight_version": s.weight_version, "updates": s.updates,
-                                        "params": {n: p.tolist() for n, p in s.model.named_parameters()}})
-            if method != "POST" and path not in ("/flush_cache", "/get_weights_by_name"):
-                return self._send(405, {"error": {"message": f"{path} needs POST"}})
+                raise HTTPError(503, {"error": {"message": "starting"}})
+            if path in ("/server_info", "/get_server_info"):
+                return s.server_info()
+            if path in ("/model_info", "/get_model_info"):
+                return {"model_path": s.args.model, "weight_version": s.weight_version, "is_generation": True,
+                        "architectures": [s.architecture]}
+            if path == "/flush_cache":
+                if s.running:
+                    raise HTTPError(400, "Flush cache failed.\n")
+                return "Cache flushed.\n"
             if path == "/generate":
-                return self._send(200, s.generate(body))
+                unknown = set(body) - source.field_names("GenerateReqInput")
+                if unknown:
+                    raise bad_request(f"unknown fields {sorted(unknown)} for GenerateReqInput")
+                out = s.generate(body)
+                if how == "abort":  # SGLang aborted the requests (e.g. a pause with mode=abort)
+                    for item in out if isinstance(out, list) else [out]:
+                        item["meta_info"]["finish_reason"] = {"type": "abort", "message": "Abort before prefill",
+                                                              "status_code": 503, "err_type": None}
+                return out
+            req = self._validated(route, body)
             if path == "/pause_generation":
                 with s.lock:
                     s.paused = True
-                return self._send(200, {"message": "Generation paused", "status": "ok"})
+                return {"message": "Generation paused successfully.", "status": "ok"}
             if path == "/continue_generation":
                 with s.lock:
                     s.paused = False
                     s.lock.notify_all()
-                return self._send(200, {"message": "Generation continued", "status": "ok"})
-            if path == "/flush_cache":
-                return self._send(400 if s.running else 200, "Cache flushed." if not s.running else "running requests")
-            if path == "/init_weights_update_group":
-                return self._send(200, s.init_group(body))
-            if path == "/update_weights_from_distributed":
-                return self._send(200, s.update_distributed(body))
-            if path == "/update_weights_from_disk":
-                return self._send(200, s.update_disk(body))
-            if path == "/destroy_weights_update_group":
-                group = s.groups.pop(body.get("group_name", "weight_update_group"), None)
-                if group is None:
-                    return self._send(200, {"success": False, "message": "no such group"})
-                from grpo_accel.weight_sync.group import destroy_weight_update_group
-
-                destroy_weight_update_group(group, body.get("group_name", "weight_update_group"))
-                return self._send(200, {"success": True, "message": "destroyed"})
+                return {"message": "Generation continued successfully.", "status": "ok"}
             if path == "/get_weights_by_name":
-                p = dict(s.model.named_parameters()).get(body.get("name"))
-                if p is None:
-                    raise BadRequest(f"no parameter {body.get('name')!r}")
-                return self._send(200, p.detach()[: body.get("truncate_size", 100)].tolist())
+                return s.weights_by_name(req)
+            if path == "/init_weights_update_group" and how == "hang":
+                time.sleep(3600)
+            answer = {
+                "/init_weights_update_group": lambda: s.init_group(req),
+                "/destroy_weights_update_group": lambda: s.destroy_group(req),
+                "/begin_weight_update": lambda: s.session(begin=True),
+                "/end_weight_update": lambda: s.session(begin=False),
+                "/update_weights_from_distributed": lambda: s.update_distributed(req, how),
+                "/update_weights_from_disk": lambda: s.update_disk(req),
+            }[path]()
+            if not answer["success"]:  # every weight endpoint answers a failure with 400 and the same body
+                raise HTTPError(400, answer)
+            return answer
+
+        def _control(self, path: str, body: dict):
+            s = server
             if path == "/_standin/fail":
                 s.failures.setdefault(body["path"], []).extend([body.get("how", "success_false")] * body.get("times", 1))
-                return self._send(200, {"ok": True})
-            return self._send(404, {"error": {"message": f"no route {path}"}})
+                return {"ok": True}
+            if path == "/_standin/state":
+                return {"weight_version": s.weight_version, "loads": s.loads, "session_open": s.session_open,
+                        "groups": sorted(s.groups), "requests": s.requests,
+                        "params": {n: p.tolist() for n, p in s.model.named_parameters()}}
+            if path == "/_standin/digest":  # for models too large to list
+                return {n: hashlib.sha256(p.detach().float().contiguous().numpy().tobytes()).hexdigest()
+                        for n, p in s.model.named_parameters()}
+            raise HTTPError(404, {"detail": "Not Found"})
 
         def do_GET(self):
             self._handle("GET")
@@ -332,12 +454,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", required=True)
-    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--sglang-version", required=True)
     parser.add_argument("--api-key")
+    parser.add_argument("--admin-api-key")
+    parser.add_argument("--deterministic", action="store_true", help="SGLang's --enable-deterministic-inference")
+    parser.add_argument("--dp-size", type=int, default=1)
+    parser.add_argument("--pp-size", type=int, default=1)
     parser.add_argument("--startup-delay", type=float, default=0.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    server = Server(args.model, args.tp_size, args.api_key, args.startup_delay)
+    server = Server(SGLangSource(args.sglang_version), args)
     ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(server)).serve_forever()
 
 

@@ -67,11 +67,13 @@ def test_items_refuse_several_processes(tmp_path):
     assert proc.returncode != 0 and "--items measures on one process" in proc.stderr
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_gpu_check_script_refuses_without_a_gpu():
-    import torch
+    def run(*args):
+        return subprocess.run(["bash", str(ROOT / "launch" / "gpu_check.sh"), *args], capture_output=True, text=True,
+                              env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
 
-    if torch.cuda.is_available():
-        return
-    proc = subprocess.run(["bash", str(ROOT / "launch" / "gpu_check.sh")], capture_output=True, text=True,
-                          env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
-    assert proc.returncode != 0 and "no CUDA device" in proc.stderr
+    bench, sglang, other = run("bench"), run("sglang"), run("nonsense")
+    assert bench.returncode != 0 and "no CUDA device" in bench.stderr
+    assert sglang.returncode != 0 and "FAIL  no GPU (nvidia-smi lists none)" in sglang.stdout
+    assert other.returncode == 2 and "usage: bash launch/gpu_check.sh bench|sglang" in other.stderr

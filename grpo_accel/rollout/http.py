@@ -11,18 +11,24 @@ logger = logging.getLogger(__name__)
 
 
 class ServerError(RuntimeError):
-    """The server answered with an error (message included) or could not be reached."""
+    """The server answered with an error (message included; ``status`` is the HTTP status) or could not be
+    reached (``status`` None)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class HTTPClient:
     """``post``/``get`` JSON to one server. 5xx answers and connection errors are retried ``retries`` times with
     exponential backoff (``backoff_s`` doubling); 4xx answers are the caller's fault and raise at once with the
-    server's message."""
+    server's message. ``api_key`` goes out as a bearer token; a 401/403 names ``key_setting``, the setting that
+    holds the key."""
 
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0, retries: int = 3,
-                 backoff_s: float = 0.5) -> None:
+                 backoff_s: float = 0.5, key_setting: str = "rollout.api_key") -> None:
         self.url, self.api_key, self.timeout_s = url.rstrip("/"), api_key, timeout_s
-        self.retries, self.backoff_s = retries, backoff_s
+        self.retries, self.backoff_s, self.key_setting = retries, backoff_s, key_setting
 
     def _request(self, method: str, path: str, body: dict | None, retries: int | None = None):
         data = None if body is None else json.dumps(body).encode()
@@ -38,8 +44,12 @@ class HTTPClient:
                     return json.loads(text) if text.strip().startswith(("{", "[")) else text
             except urllib.error.HTTPError as exc:
                 message = _error_message(exc)
+                if exc.code in (401, 403):
+                    raise ServerError(f"{method} {self.url}{path} -> HTTP {exc.code}: {message}; the server wants "
+                                      f"{'another' if self.api_key else 'a'} key: set {self.key_setting}.",
+                                      exc.code) from exc
                 if exc.code < 500 or attempt == attempts - 1:
-                    raise ServerError(f"{method} {self.url}{path} -> HTTP {exc.code}: {message}") from exc
+                    raise ServerError(f"{method} {self.url}{path} -> HTTP {exc.code}: {message}", exc.code) from exc
                 logger.warning("%s %s%s -> HTTP %d (%s); retry %d/%d", method, self.url, path, exc.code, message,
                                attempt + 1, attempts - 1)
             except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
@@ -56,7 +66,8 @@ class HTTPClient:
         return self._request("GET", path, None, retries)
 
     def wait_healthy(self, timeout_s: float, poll_s: float = 0.5) -> None:
-        """Block until ``GET /health`` answers 200, or raise after ``timeout_s`` naming the URL."""
+        """Block until ``GET /health`` answers 200, or raise after ``timeout_s`` naming the URL. (SGLang answers
+        /health without a key, so this proves nothing about the key.)"""
         deadline = time.monotonic() + timeout_s
         last = None
         while time.monotonic() < deadline:
@@ -64,8 +75,6 @@ class HTTPClient:
                 self.get("/health", retries=0)
                 return
             except ServerError as exc:
-                if "HTTP 401" in str(exc) or "HTTP 403" in str(exc):  # waiting will not help
-                    raise ServerError(f"{exc}; check rollout.api_key.") from exc
                 last = exc
                 time.sleep(poll_s)
         raise ServerError(f"SGLang server {self.url} was not healthy after {timeout_s:.0f} s (last error: {last}); "
@@ -73,8 +82,15 @@ class HTTPClient:
 
 
 def _error_message(exc: urllib.error.HTTPError) -> str:
+    """SGLang's error bodies: {"error": {"message"}}, {"error": "Unauthorized"}, {"success": false, "message"},
+    FastAPI's {"detail"}."""
     try:
         body = json.loads(exc.read().decode())
-        return body.get("error", {}).get("message") or body.get("message") or json.dumps(body)
     except Exception:
-        return exc.reason
+        return str(exc.reason)
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and error.get("message"):
+        return str(error["message"])
+    if isinstance(body, dict):
+        return str(error or body.get("message") or body.get("detail") or json.dumps(body))
+    return json.dumps(body)

@@ -121,10 +121,14 @@ class EmbeddedWeightSync:
     def __init__(self, engine: EmbeddedEngine, source: nn.Module | None = None) -> None:
         self.engine, self.source = engine, source
 
-    @torch.no_grad()
     def update_weights(self) -> None:
+        self.push(self.engine.weight_version + 1)
+
+    @torch.no_grad()
+    def push(self, version: int) -> None:
+        """Give the engine the trained weights as ``version`` (a resumed trainer calls this with its own)."""
         with self.engine.lock:
             if self.source is not None and self.source is not self.engine.model:
                 for dst, src in zip(self.engine.model.parameters(), self.source.parameters(), strict=True):
                     dst.copy_(src.detach())
-            self.engine.weight_version += 1
+            self.engine.weight_version = version

@@ -1,9 +1,11 @@
 """Rollouts from SGLang servers over HTTP (``POST /generate`` with ``input_ids``), the trainer side only.
 
-Each prompt is repeated ``group_size`` times with its own ``sampling_seed`` (the same keyed streams as the
-embedded engine: completion j of a prompt with seed s). Prompts are spread over the servers (one per engine
-replica) in contiguous chunks, sent concurrently; engine logprobs are SGLang's ``output_token_logprobs``,
-``log_softmax(logits / temperature)`` before top-k/top-p, exactly what the loss divides by the temperature for.
+Each prompt is repeated ``group_size`` times with its own ``sampling_seed`` (completion j of a prompt with seed
+s). SGLang honours the seed only on a server started with ``--enable-deterministic-inference``; without it the
+rollouts are not reproducible, and the engine says so once at start. Prompts are spread over the servers (one
+per engine replica) in contiguous chunks, sent concurrently; engine logprobs are SGLang's
+``output_token_logprobs``, ``log_softmax(logits / temperature)`` before top-k/top-p, exactly what the loss
+divides by the temperature for.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from tensordict import TensorDict
 
 from grpo_accel import batch as K
+from grpo_accel import sglang_api as api
 from grpo_accel.rollout.http import HTTPClient, ServerError
 
 logger = logging.getLogger(__name__)
@@ -26,8 +29,9 @@ class SGLangEngine:
         urls: one URL per engine replica (``http://host:port``).
         tokenizer: gives pad/eos ids (prompts are already token ids).
         max_new_tokens, temperature, top_p, top_k: sampling parameters sent to SGLang.
-        api_key: sent as ``Authorization: Bearer <key>``.
-        health_timeout_s: wait this long for ``/health`` on every server at start.
+        api_key: sent as ``Authorization: Bearer <key>`` (the server's ``--api-key``).
+        health_timeout_s: wait this long for ``/health`` on every server at start; then each server's release
+            is read from ``/server_info`` (which also proves the key) and checked against the supported range.
         retries: attempts after the first for 5xx answers, unreachable servers and aborted requests.
 
     Example:
@@ -43,12 +47,18 @@ class SGLangEngine:
         self.clients = [HTTPClient(u, api_key, timeout_s, retries, backoff_s) for u in urls]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_id, self.retries = tokenizer.eos_token_id, retries
-        self.sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
-                         "top_k": top_k if top_k > 0 else -1}
-        self.temperature = temperature
+        self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
         self.weight_version = 0
         for client in self.clients:
             client.wait_healthy(health_timeout_s)
+        self.servers = [api.read_server_info(c) for c in self.clients]
+        for info in self.servers:
+            info.check_supported()
+        random = [i.url for i in self.servers if not i.deterministic]
+        if random:
+            logger.warning("sampling_seed is ignored by %s (started without --enable-deterministic-inference): "
+                           "rollouts are not reproducible. Start the servers with that flag to make them so.",
+                           ", ".join(random))
 
     def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int] | None = None,
                  greedy: bool = False) -> TensorDict:
@@ -65,15 +75,13 @@ class SGLangEngine:
 
     def _request(self, client: HTTPClient, prompts: list[list[int]], seeds: list[int], group_size: int,
                  greedy: bool) -> list[dict]:
-        params = []
-        for seed in seeds:
-            for j in range(group_size):
-                params.append({**self.sampling, "temperature": 0.0 if greedy else self.temperature,
-                               "sampling_seed": (seed * group_size + j) % 2**31})
-        body = {"input_ids": [p for p in prompts for _ in range(group_size)], "sampling_params": params,
-                "return_logprob": True, "logprob_start_len": -1}
+        temperature = 0.0 if greedy else self.temperature
+        params = [api.sampling_params(self.max_new_tokens, temperature, self.top_p, self.top_k,
+                                      seed=(seed * group_size + j) % 2**31)
+                  for seed in seeds for j in range(group_size)]
+        request = api.generate([p for p in prompts for _ in range(group_size)], params)
         for attempt in range(self.retries + 1):
-            items = client.post("/generate", body)
+            items = client.post(*request)
             items = items if isinstance(items, list) else [items]
             aborted = [it["meta_info"]["finish_reason"] for it in items if it["meta_info"]["finish_reason"]["type"] == "abort"]
             if not aborted:

@@ -1,13 +1,19 @@
-"""A process group shared with inference engines, separate from the training group.
+"""Rank 0's side of the process group shared with inference engines, separate from the training group.
 
-Made the way SGLang's ``init_custom_process_group`` makes it (a plain TCP store at ``address:port``, then
-``_new_process_group_helper`` under ``group_name``), so both sides agree on store keys: the trainer is rank 0
-and hosts the store; engines join with their rank offsets. The store is built directly rather than through
-``rendezvous("tcp://...")``, which under torchrun (``TORCHELASTIC_USE_AGENT_STORE``) would try to join the
-launcher's own store instead of hosting one.
+SGLang's servers join with ``init_custom_process_group`` (srt/utils/common.py, 0.5.9 through 0.5.23):
+``rendezvous("tcp://address:port")`` as a client of the trainer's TCP store, then the store wrapped in
+``PrefixStore(group_name, store)``, then ``_new_process_group_helper(..., group_name=group_name)``. The trainer
+hosts the store and makes its side the same way, so both sides read and write the same keys
+(``<group_name>/...``); without the prefix they wait on different keys until they time out (gloo) or the first
+broadcast hangs (NCCL, whose communicator is made lazily).
+
+The store is hosted once per trainer process; each group made on it gets a fresh name (:meth:`new_name`), so a
+group torn down after a failure never shares keys with the one that replaces it, and a restarted trainer never
+meets the name of a group its predecessor left on a server.
 """
 from __future__ import annotations
 
+import uuid
 from datetime import timedelta
 
 import torch
@@ -15,28 +21,58 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 
-def init_weight_update_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
-                             group_name: str, timeout_s: float = 600.0) -> dist.ProcessGroup:
-    """Join the weight-update group (blocks until every rank joined). Does not touch the default group."""
-    if backend not in ("nccl", "gloo"):
-        raise ValueError(f"weight update group backend={backend!r}: use 'nccl' (GPUs) or 'gloo' (CPU).")
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
-    group, _ = c10d._new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name,
-                                              timeout=timeout)
-    return group
+class WeightUpdateGroup:
+    """The trainer's TCP store and its side (rank 0) of the current weight-update group.
 
+    Args:
+        backend: "nccl" (GPUs) or "gloo".
+        address / port: where the store listens; the servers connect to ``address:port``.
+        world_size: 1 + the GPUs of every server.
+        prefix: the start of every group name (SGLang's default is "weight_update_group").
+        timeout_s: how long a join or a collective may take.
+    """
 
-def destroy_weight_update_group(group: dist.ProcessGroup, group_name: str) -> None:
-    """Forget a group made by :func:`init_weight_update_group` so that the name can be joined again."""
-    for registry in (c10d._world.pg_map, c10d._world.pg_names, c10d._world.pg_group_ranks,
-                     c10d._world.pg_backend_config):
-        registry.pop(group, None)
-    c10d._unregister_process_group(group_name)
+    def __init__(self, backend: str, address: str, port: int, world_size: int, prefix: str, timeout_s: float) -> None:
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"weight_sync.backend={backend!r}: use 'nccl' (GPUs) or 'gloo' (CPU).")
+        self.backend, self.address, self.port, self.world_size = backend, address, port, world_size
+        self.timeout = timedelta(seconds=timeout_s)
+        # The store is not built through rendezvous("tcp://..."): under torchrun (TORCHELASTIC_USE_AGENT_STORE)
+        # that would join the launcher's store instead of hosting one.
+        self.store = dist.TCPStore(address, port, is_master=True, timeout=self.timeout, wait_for_workers=False)
+        self._prefix, self._token, self._made = prefix, uuid.uuid4().hex[:8], 0
+        self.group: dist.ProcessGroup | None = None
+        self.name: str | None = None
 
+    def new_name(self) -> str:
+        """A name no earlier group of any trainer used: ``<prefix>-<process token>-<n>``."""
+        self._made += 1
+        return f"{self._prefix}-{self._token}-{self._made}"
 
-def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0) -> None:
-    """Broadcast ``tensor`` in place from group rank ``src`` and wait."""
-    opts = dist.BroadcastOptions()
-    opts.rootRank, opts.rootTensor = src, 0
-    group.broadcast([tensor], opts).wait()
+    def join(self, name: str) -> None:
+        """Make the group ``name`` as rank 0; blocks until every rank joined (gloo) or returns at once (NCCL)."""
+        group, _ = c10d._new_process_group_helper(self.world_size, 0, [], self.backend,
+                                                  c10d.PrefixStore(name, self.store), group_name=name,
+                                                  timeout=self.timeout)
+        c10d._world.pg_group_ranks[group] = {i: i for i in range(self.world_size)}  # as SGLang registers its side
+        self.group, self.name = group, name
+
+    def store_keys(self, name: str) -> str:
+        """Where the ranks of group ``name`` meet, for error messages."""
+        return f"TCP store {self.address}:{self.port}, keys under '{name}/'"
+
+    def broadcast(self, tensor: torch.Tensor) -> dist.Work:
+        """Start broadcasting ``tensor`` from rank 0; the caller waits on the returned work."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, self.timeout
+        return self.group.broadcast([tensor], opts)
+
+    def leave(self, abort: bool) -> None:
+        """Forget the current group; ``abort`` first when a collective may be pending (a refused update), so
+        nothing waits on a peer that will never answer."""
+        if self.group is None:
+            return
+        if abort:
+            self.group.abort()
+        dist.destroy_process_group(self.group)
+        self.group = self.name = None
