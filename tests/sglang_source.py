@@ -207,9 +207,15 @@ class SGLangSource:
         import pydantic
 
         try:
-            return pydantic.TypeAdapter(self.request_class(class_name)).validate_python(body)
+            return self._adapter(class_name).validate_python(body)
         except pydantic.ValidationError as exc:
             raise ValueError(str(exc)) from None
+
+    @functools.lru_cache(None)  # noqa: B019 (one source object per release, alive for the whole process)
+    def _adapter(self, class_name: str):
+        import pydantic
+
+        return pydantic.TypeAdapter(self.request_class(class_name))
 
     @functools.cached_property
     def _api_types(self) -> types.ModuleType | None:

@@ -88,7 +88,8 @@ class _Sender:
         self.bucket_bytes = int(bucket_mb * 2**20)
         self._gather: BucketedGather | None = None
         self.max_attempts, self.verify_names = max_attempts, verify_names
-        self._by_name = [True] * len(urls)  # /get_weights_by_name still believed to work, per server
+        self._by_name: list[bool] | None = None  # per server: /get_weights_by_name works (asked at the first check)
+        self._probe_needed = False
         self.version = 0
         self.last_sync_s = 0.0
 
@@ -205,47 +206,68 @@ class _Sender:
     # -- verification ----------------------------------------------------------------------------------------
 
     def _verify(self, version: str) -> str | None:
-        """Compare every server with the trainer after a push. Every rank gathers the checked parameters and runs
-        the probe forward (collectives under ZeRO-3); rank 0 compares. The error text, or None."""
+        """Compare every server with the trainer after a push. Every rank gathers the checked parameters and,
+        where a server needs the probe, runs its forward (collectives under ZeRO-3); rank 0 compares. The error
+        text, or None."""
         if not self.verify_names:
             return None
+        if self._by_name is None:
+            self._by_name = self._decide_checks()
         named = list(self.model.named_parameters())[: self.verify_names]
         with gathered_parameters([p for _, p in named]):
             expected = {n: p.detach().to(self.dtype).float().cpu() for n, p in named} if self.is_sender else {}
         probe = self._probe_ids()
-        training = self.model.training
-        self.model.eval()
-        with torch.no_grad():
-            device = next(self.model.parameters()).device
-            ids = torch.tensor([probe], device=device)  # [1, T]
-            logits = self.model(ids).logits[0, :-1].float()  # [T-1, V]
-        self.model.train(training)
-        trainer_logprobs = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].cpu()  # [T-1]
+        trainer_logprobs = self._probe_logprobs(probe) if self._probe_needed else None
         return self._rank0(self._compare, version, expected, probe, trainer_logprobs)
 
-    def _probe_ids(self) -> list[int]:
-        vocab = int(self.model.config.vocab_size)
-        return [(7919 * i + 13) % vocab for i in range(PROBE_TOKENS)]
-
-    def _compare(self, version: str, expected: dict, probe: list[int], trainer_logprobs: torch.Tensor) -> None:
-        for index, (client, reader) in enumerate(zip(self.clients, self.readers)):
-            if self._by_name[index]:
-                self._compare_by_name(index, client, expected)
-            if not self._by_name[index]:
-                self._compare_probe(reader, version, probe, trainer_logprobs)
-
-    def _compare_by_name(self, index: int, client: HTTPClient, expected: dict) -> None:
-        for name, value in expected.items():
+    def _decide_checks(self) -> list[bool]:
+        """Per server, whether its model implements /get_weights_by_name (asked once; said once where not). All
+        ranks learn whether any server needs the probe: its forward is a collective under ZeRO-3."""
+        first = next(iter(self.model.named_parameters()))[0]
+        by_name = []
+        for client in self.clients:
             try:
-                got = torch.tensor(client.post(*api.get_weights_by_name(name, truncate_size=4)))
+                client.post(*api.get_weights_by_name(first, truncate_size=1))
+                by_name.append(True)
             except ServerError as exc:
                 if api.WEIGHTS_BY_NAME_MISSING not in str(exc):
                     raise
                 logger.warning("%s: the served model does not implement /get_weights_by_name; weights are checked "
                                "with a %d-token logprob probe and the reported weight version instead",
                                client.url, PROBE_TOKENS)
-                self._by_name[index] = False
-                return
+                by_name.append(False)
+        flag = torch.tensor([float(not all(by_name))], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast
+
+            flag = broadcast(flag, from_process=0)
+        self._probe_needed = bool(flag[0] > 0)
+        return by_name
+
+    def _probe_ids(self) -> list[int]:
+        vocab = int(self.model.config.vocab_size)
+        return [(7919 * i + 13) % vocab for i in range(PROBE_TOKENS)]
+
+    def _probe_logprobs(self, probe: list[int]) -> torch.Tensor:
+        """The trainer's logprob of each probe token after the first: [len(probe) - 1]."""
+        training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            ids = torch.tensor([probe], device=next(self.model.parameters()).device)  # [1, T]
+            logits = self.model(ids).logits[0, :-1].float()  # [T-1, V]
+        self.model.train(training)
+        return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].cpu()
+
+    def _compare(self, version: str, expected: dict, probe: list[int], trainer_logprobs: torch.Tensor | None) -> None:
+        for client, reader, by_name in zip(self.clients, self.readers, self._by_name):
+            if by_name:
+                self._compare_by_name(client, expected)
+            else:
+                self._compare_probe(reader, version, probe, trainer_logprobs)
+
+    def _compare_by_name(self, client: HTTPClient, expected: dict) -> None:
+        for name, value in expected.items():
+            got = torch.tensor(client.post(*api.get_weights_by_name(name, truncate_size=4)))
             rows = value.reshape(-1)[: got.numel()] if value.dim() < 2 else value[: got.shape[0]]
             if got.shape != rows.shape or not torch.allclose(got.float(), rows.reshape(got.shape), atol=1e-2):
                 raise WeightSyncError(f"{client.url}: {name} differs from the trainer's after the update.")
