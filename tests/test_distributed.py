@@ -8,13 +8,12 @@ rtol 1e-4 / atol 1e-6, far below any real divergence (a wrong normaliser is off 
 """
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from grpo_accel.distributed import DistributedConfigError, read_deepspeed_file, validate_deepspeed_config
-from launching import ROOT, free_port, launch
+from launching import ROOT, free_port, launch, run_in_group
 
 BASE = ["trainer.total_frames=640", "trainer.progress_bar=false"]  # 5 batches of 16 prompts x 8
 TAGS = ("train/loss", "train/reward_mean", "train/clip_fraction", "train/entropy")
@@ -111,8 +110,8 @@ def test_slurm_script_runs_two_machines_of_one_process(single, tmp_path):
            "SLURM_NNODES": "2", "PROCS_PER_MACHINE": "1", "MAIN_PORT": str(free_port()), "PYTHON": sys.executable,
            "SLURM_SUBMIT_DIR": str(ROOT), "DS_ACCELERATOR": "cpu"}
     out = tmp_path / "run"
-    proc = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), f"output_dir={out}", *BASE,
-                           "trainer.micro_batch_completions=64"], env=env, capture_output=True, text=True, timeout=300)
+    proc = run_in_group(["bash", str(ROOT / "launch" / "slurm.sbatch"), f"output_dir={out}", *BASE,
+                         "trainer.micro_batch_completions=64"], env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     assert READY.format(0) in proc.stderr and READY.format(1) in proc.stderr
     got, summary = curves(out)

@@ -91,3 +91,24 @@ def test_import_is_cheap():
         "assert 'deepspeed' not in sys.modules and 'sglang' not in sys.modules, 'optional packages imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_a_launch_that_times_out_is_killed_with_its_children(tmp_path):
+    """Killing only the launcher would leave its ranks running (and holding DeepSpeed's build lock)."""
+    import os
+    import time
+
+    from launching import run_in_group
+
+    pid_file = tmp_path / "child.pid"
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_in_group(["bash", "-c", f"sleep 300 & echo $! > {pid_file}; wait"], timeout=2)
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the launcher's child {child} outlived the timeout")

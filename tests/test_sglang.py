@@ -120,6 +120,16 @@ def test_keys_health_wait_and_unreachable_servers(model_dir, tokenizer):
         SGLangEngine([f"http://127.0.0.1:{free_port()}"], tokenizer, max_new_tokens=2, health_timeout_s=1)
 
 
+def test_waiting_for_a_server_says_what_it_waits_for(caplog):
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ServerError, match="was not healthy after 2 s"):
+        HTTPClient(url).wait_healthy(2, poll_s=0.1, report_every_s=0.5)
+    reports = [r.getMessage() for r in caplog.records if "waiting for SGLang server" in r.getMessage()]
+    assert 2 <= len(reports) <= 4, reports
+    assert f"waiting for SGLang server {url}" in reports[0] and "nothing listens there yet" in reports[0]
+    assert "s left of rollout.health_timeout_s" in reports[0]
+
+
 # ------------------------------------------------------------------- weight senders, in this process
 
 

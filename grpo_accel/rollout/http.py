@@ -65,10 +65,11 @@ class HTTPClient:
     def get(self, path: str, retries: int | None = None):
         return self._request("GET", path, None, retries)
 
-    def wait_healthy(self, timeout_s: float, poll_s: float = 0.5) -> None:
-        """Block until ``GET /health`` answers 200, or raise after ``timeout_s`` naming the URL. (SGLang answers
-        /health without a key, so this proves nothing about the key.)"""
-        deadline = time.monotonic() + timeout_s
+    def wait_healthy(self, timeout_s: float, poll_s: float = 0.5, report_every_s: float = 10.0) -> None:
+        """Block until ``GET /health`` answers 200, or raise after ``timeout_s`` naming the URL. Says what it waits
+        for every ``report_every_s``. (SGLang answers /health without a key, so this proves nothing about it.)"""
+        start = time.monotonic()
+        deadline, report_at = start + timeout_s, start + report_every_s
         last = None
         while time.monotonic() < deadline:
             try:
@@ -76,7 +77,14 @@ class HTTPClient:
                 return
             except ServerError as exc:
                 last = exc
-                time.sleep(poll_s)
+            now = time.monotonic()
+            if now >= report_at:
+                hint = (" (connection refused: nothing listens there yet; is the server started, is rollout.urls "
+                        "right?)" if "refused" in str(last).lower() else "")
+                logger.warning("waiting for SGLang server %s: %s%s; %.0f s left of rollout.health_timeout_s",
+                               self.url, last, hint, deadline - now)
+                report_at = now + report_every_s
+            time.sleep(poll_s)
         raise ServerError(f"SGLang server {self.url} was not healthy after {timeout_s:.0f} s (last error: {last}); "
                           "check that it is running and rollout.urls is right, or raise rollout.health_timeout_s.")
 
