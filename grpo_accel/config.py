@@ -193,8 +193,9 @@ class GRPOTrainerConfig:
     """Completions to collect over the run (a frame is one completion)."""
     num_epochs: int = 1
     """Passes over each collected batch."""
-    micro_batch_completions: int = 128
-    """Completions per forward/backward on one process (the replay buffer's batch size)."""
+    micro_batch_completions: int | typing.Literal["auto"] = "auto"
+    """Completions per forward/backward on one process (the replay buffer's batch size); "auto": each process's
+    completions per step / gradient_accumulation_steps, so that any process count dividing the prompts fits."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step."""
     optim_steps_per_batch: int | None = None
@@ -219,9 +220,11 @@ class GRPOTrainerConfig:
     log_kl: bool = True
 
     def __post_init__(self) -> None:
-        for key in ("total_frames", "num_epochs", "micro_batch_completions", "gradient_accumulation_steps",
-                    "log_interval", "weight_update_frequency"):
+        for key in ("total_frames", "num_epochs", "gradient_accumulation_steps", "log_interval",
+                    "weight_update_frequency"):
             _check(getattr(self, key) >= 1, f"trainer.{key}", getattr(self, key), "must be >= 1.")
+        _check(self.micro_batch_completions == "auto" or self.micro_batch_completions >= 1,
+               "trainer.micro_batch_completions", self.micro_batch_completions, "must be >= 1 or auto.")
         _choice("trainer.mixed_precision", self.mixed_precision, ("no", "bf16", "fp16"))
         _check(self.max_staleness is None or self.max_staleness >= 0, "trainer.max_staleness", self.max_staleness,
                "must be null (keep every batch) or >= 0.")
@@ -347,30 +350,54 @@ class GRPOConfig:
 
     def check_batch_layout(self, num_processes: int) -> None:
         """completions per step must split into processes x micro-batches x accumulation."""
+        self.micro_batch(num_processes)
+
+    def micro_batch(self, num_processes: int) -> int:
+        """Completions per micro-batch on one process (``trainer.micro_batch_completions``, "auto" resolved);
+        raises naming the value to use when the batch does not split."""
         per_process, rem = divmod(self.rollout.prompts_per_step, num_processes)
         _check(rem == 0 and per_process > 0, "rollout.prompts_per_step", self.rollout.prompts_per_step,
                f"must be a positive multiple of the {num_processes} processes.")
         completions = per_process * self.rollout.group_size
         t = self.trainer
-        chunk = t.micro_batch_completions * t.gradient_accumulation_steps
+        ga = t.gradient_accumulation_steps
+        share = f"each process collects {completions} completions per step (prompts_per_step / processes x group_size)"
+        if t.micro_batch_completions == "auto":
+            _check(completions % ga == 0, "trainer.gradient_accumulation_steps", ga,
+                   f"{share}, which auto micro-batches split into {ga} equal parts only if it divides them: use "
+                   f"one of {_divisors(completions)}.")
+            return completions // ga
+        chunk = t.micro_batch_completions * ga
+        fits = [d for d in _divisors(completions) if completions % (d * ga) == 0]
         _check(t.optim_steps_per_batch is not None or completions % chunk == 0,
                "trainer.micro_batch_completions", t.micro_batch_completions,
-               f"each process collects {completions} completions per step (prompts_per_step / processes x "
-               f"group_size), which must be a multiple of micro_batch_completions x gradient_accumulation_steps "
-               f"= {chunk}.")
+               f"{share}, which must be a multiple of micro_batch_completions x gradient_accumulation_steps = "
+               f"{chunk}: use auto or one of {fits}.")
+        return t.micro_batch_completions
 
     def describe_batch_layout(self, num_processes: int) -> str:
         t, r = self.trainer, self.rollout
+        size = self.micro_batch(num_processes)
         per_process = r.prompts_per_step // num_processes * r.group_size
-        micro = t.optim_steps_per_batch or per_process // t.micro_batch_completions
-        per_optim_step = t.micro_batch_completions * t.gradient_accumulation_steps * num_processes
+        micro = t.optim_steps_per_batch or per_process // size
+        per_optim_step = size * t.gradient_accumulation_steps * num_processes
         return (
             f"batch layout: {r.prompts_per_step} prompts x {r.group_size} = {r.completions_per_step} completions "
-            f"per step; {per_process} per process in {micro} micro-batches of {t.micro_batch_completions}; "
+            f"per step; {per_process} per process in {micro} micro-batches of {size}; "
             f"{t.gradient_accumulation_steps} micro-batches per optimizer step = {per_optim_step} completions per "
             f"optimizer step over {num_processes} processes -> "
             f"{t.num_epochs * micro // t.gradient_accumulation_steps} optimizer steps per collected batch"
         )
+
+
+def _describe(tp: Any) -> str:
+    if typing.get_origin(tp) is typing.Literal:
+        return " or ".join(map(repr, typing.get_args(tp)))
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -431,7 +458,15 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], key)
+        for option in inner:  # e.g. int | Literal["auto"]: the first that takes the value
+            try:
+                return _coerce(value, option, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}={value!r}: must be {' or '.join(_describe(t) for t in inner)}.")
+    if origin is typing.Literal:
+        _check(value in args, key, value, f"must be one of {list(args)}.")
+        return value
     if origin is list:
         _check(isinstance(value, list), key, value, "must be a list.")
         return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else value

@@ -93,7 +93,7 @@ def build_trainer(cfg: GRPOConfig):
         weight_update_frequency=t.weight_update_frequency, async_collection=t.async_collection,
         max_staleness=t.max_staleness,
         empty_replay_buffer_on_weight_update=t.empty_replay_buffer_on_weight_update,
-        batch_size=t.micro_batch_completions, gradient_accumulation_steps=t.gradient_accumulation_steps,
+        batch_size=cfg.micro_batch(accelerator.num_processes), gradient_accumulation_steps=t.gradient_accumulation_steps,
         mixed_precision=t.mixed_precision != "no",
         autocast_dtype=torch.float16 if t.mixed_precision == "fp16" else torch.bfloat16,
         logger=logger, clip_norm=o.clip_norm, progress_bar=t.progress_bar, seed=t.seed,

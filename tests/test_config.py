@@ -82,9 +82,21 @@ def test_batch_layout_must_divide():
     cfg = load_config(None, ["rollout.prompts_per_step=6"])
     with pytest.raises(ConfigError, match="multiple of the 4 processes"):
         cfg.check_batch_layout(4)
-    with pytest.raises(ConfigError, match="64 completions .* = 256"):
-        load_config(None, ["trainer.gradient_accumulation_steps=2", "rollout.prompts_per_step=8"]).check_batch_layout(1)
+    with pytest.raises(ConfigError, match=r"64 completions .* = 256: use auto or one of \[1, 2, 4, 8, 16, 32\]"):
+        load_config(None, ["trainer.gradient_accumulation_steps=2", "rollout.prompts_per_step=8",
+                           "trainer.micro_batch_completions=128"]).check_batch_layout(1)
     load_config(None, ["trainer.micro_batch_completions=32", "trainer.gradient_accumulation_steps=2"]).check_batch_layout(2)
+
+
+@pytest.mark.parametrize("processes, accumulation, micro", [(1, 1, 128), (2, 1, 64), (4, 2, 16), (8, 1, 16)])
+def test_auto_micro_batches_fit_any_process_count_that_divides_the_prompts(processes, accumulation, micro):
+    cfg = load_config(None, [f"trainer.gradient_accumulation_steps={accumulation}"])
+    assert cfg.trainer.micro_batch_completions == "auto" and cfg.micro_batch(processes) == micro
+    assert f"micro-batches of {micro}" in cfg.describe_batch_layout(processes)
+    with pytest.raises(ConfigError, match=r"gradient_accumulation_steps=3: .* use one of \[1, 2, 4, 8, 16, 32, 64\]"):
+        load_config(None, ["trainer.gradient_accumulation_steps=3"]).micro_batch(2)
+    with pytest.raises(ConfigError, match="micro_batch_completions='soon': must be an integer or 'auto'"):
+        load_config(None, ["trainer.micro_batch_completions=soon"])
 
 
 def test_missing_and_broken_files(tmp_path):

@@ -1,0 +1,62 @@
+"""Every shell command in README.md runs as written here, or is named below with the reason it cannot.
+
+Commands that train get a temporary ``output_dir``, ``trainer.total_frames=256`` and no progress bar appended;
+nothing else is changed, so the README cannot drift from what works.
+"""
+import os
+import re
+
+import pytest
+
+from launching import ROOT, run_in_group
+
+ELSEWHERE = {  # how a command starts -> why it does not run in this suite, and what covers it instead
+    "bash launch/setup.sh && .venv/bin/python -m pytest": "the test suite itself (what .ci/run runs)",
+    "MAIN_ADDR=": "needs a second machine; tests/test_distributed.py runs launch/multinode.sh on this one",
+    "sbatch ": "needs SLURM; tests/test_distributed.py runs launch/slurm.sbatch with sbatch-less shims",
+    "MODEL=": "needs GPUs for SGLang servers; tests/test_sglang.py runs launch/sglang.sh with DRY_RUN",
+    ".venv/bin/accelerate launch --config_file accelerate_configs/zero3.yaml launch/train.py model.name_or_path=M":
+        "needs SGLang servers on other machines; tests/test_sglang.py runs the same path against stand-ins",
+    "python tests/sglang_standin.py": "a measurement recipe with placeholders (M, B, L); tests/test_sglang.py runs it",
+    "accelerate launch --config_file accelerate_configs/zero3.yaml launch/train.py model.name_or_path=M":
+        "the second half of that measurement recipe",
+    ".venv/bin/python -m grpo_accel.bench": "minutes at 10m parameters; tests/test_bench.py runs the benchmark small",
+    ".venv/bin/accelerate launch --config_file accelerate_configs/zero3.yaml -m grpo_accel.bench":
+        "minutes under ZeRO-3; tests/test_bench.py runs the benchmark under zero3.yaml small",
+    "bash launch/gpu_check.sh": "needs a GPU; tests/test_bench.py checks that it refuses without one",
+}
+TRAINS = re.compile(r"accelerate launch --config_file accelerate_configs/\w+\.yaml launch/train\.py$")
+
+
+def readme_commands() -> list[str]:
+    """The commands of README.md's bash blocks: continuations joined, comments dropped."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S):
+        for command in block.replace("\\\n", " ").splitlines():
+            command = re.sub(r"\s+#.*$", "", command).strip()
+            if command and not command.startswith("#"):
+                commands.append(re.sub(r"\s+", " ", command))
+    return commands
+
+
+def runnable() -> list[str]:
+    return [c for c in readme_commands() if not c.startswith(tuple(ELSEWHERE))]
+
+
+def test_every_readme_command_runs_here_or_is_accounted_for():
+    commands = readme_commands()
+    assert len(commands) >= 15
+    unaccounted = [c for c in runnable() if not TRAINS.search(c)]
+    assert not unaccounted, f"README commands neither run by this test nor named in ELSEWHERE: {unaccounted}"
+    unused = [start for start in ELSEWHERE if not any(c.startswith(start) for c in commands)]
+    assert not unused, f"ELSEWHERE names commands the README no longer has: {unused}"
+
+
+@pytest.mark.parametrize("command", runnable())
+def test_readme_training_command_runs_as_written(command, tmp_path):
+    out = tmp_path / "run"
+    proc = run_in_group(["bash", "-c", f"{command} output_dir={out} trainer.total_frames=256 "
+                                       "trainer.progress_bar=false"],
+                        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=600)
+    assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert (out / "summary.json").exists()
