@@ -168,6 +168,11 @@ def summarize(trainer, wall_s: float) -> dict:
     }
 
 
+def write_config(out: Path, cfg: GRPOConfig) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config file (defaults: the built-in embedded run)")
@@ -181,16 +186,21 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     trainer = build_trainer(cfg)
     out = Path(cfg.output_dir)
-    if trainer.accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    main_process = trainer.accelerator.is_main_process
+    # A resume can still fail (checkpoint checks run in train()): its config.yaml is written once it has run, so a
+    # failed resume changes nothing in the run folder.
+    resuming = trainer.checkpoint is not None and trainer.checkpoint.resume_path() is not None
+    if main_process and not resuming:
+        write_config(out, cfg)
     try:
         trainer.train()
     finally:
         if hasattr(trainer.weight_sync_sender, "close"):  # SGLang senders leave no group behind on the servers
             trainer.weight_sync_sender.close()
     trainer.accelerator.wait_for_everyone()
-    if trainer.accelerator.is_main_process:
+    if main_process:
+        if resuming:
+            write_config(out, cfg)
         summary = summarize(trainer, time.perf_counter() - start)
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         log.info("summary: %s", json.dumps(summary))

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from grpo_accel.checkpoint import Checkpoint, file_manifest
+from grpo_accel.checkpoint import Checkpoint
 from grpo_accel.export import checkpoint_state_dict, policy_weights
 from launching import launch
 
@@ -15,6 +15,14 @@ BATCH = 128  # frames per collected batch (16 prompts x 8)
 def signal_rewards(flag, signals=1):
     return ("rewards=[{name: answer_match}, {name: format_match, weight: 0.2}, {name: 'tests.preempt_reward:signal_once',"
             f" weight: 0.0, kwargs: {{at_call: 3, rank: 1, signals: {signals}, flag: '{flag}'}}}}]")
+
+
+def contents(folder):
+    """Relative path -> SHA-256 of every file: a same-length rewrite counts as a change."""
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def curves(out):
@@ -36,6 +44,7 @@ def test_stop_and_resume_equals_a_straight_run(tmp_path, config):
     launch(config, [f"output_dir={split}", f"trainer.total_frames={3 * BATCH}", *BASE])
     proc = launch(config, [f"output_dir={split}", f"trainer.total_frames={6 * BATCH}", "checkpoint.resume=auto", *BASE])
     assert "resumed from" in proc.stderr and "at iteration 3" in proc.stderr
+    assert f"total_frames: {6 * BATCH}" in (split / "config.yaml").read_text()  # written once the resume ran
     assert curves(split) == curves(straight)  # steps 1-6, bitwise; steps 4-6 come from the resumed run
     a, b = final_policy(straight), final_policy(split)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -65,21 +74,21 @@ def test_second_signal_exits_at_once_and_keeps_earlier_checkpoints(tmp_path):
     base = [f"output_dir={run}", *BASE]
     rewards = signal_rewards(tmp_path / "f1", signals=2)  # fires on the 3rd batch of a process: not in run 1
     launch("zero2.yaml", [*base, f"trainer.total_frames={2 * BATCH}", rewards])
-    before = file_manifest(run / "checkpoints")
+    before = contents(run / "checkpoints")
     proc = launch("zero2.yaml", [*base, f"trainer.total_frames={6 * BATCH}", "checkpoint.resume=auto", rewards],
                   expect_ok=False)
     assert proc.returncode != 0 and "second SIGTERM: exiting without a checkpoint" in proc.stderr
-    assert file_manifest(run / "checkpoints") == before  # nothing new, nothing lost
+    assert contents(run / "checkpoints") == before  # nothing new, nothing lost
 
 
 def test_resume_with_another_process_count_says_how(tmp_path):
     run = tmp_path / "run"
     launch("zero2.yaml", [f"output_dir={run}", f"trainer.total_frames={BATCH}", *BASE])
-    before = file_manifest(run)
+    before = contents(run)
     proc = launch("zero2.yaml", [f"output_dir={run}", f"trainer.total_frames={2 * BATCH}", *BASE,
                                  "checkpoint.resume=auto"], launcher_args=["--num_processes", "1"], expect_ok=False)
     assert "was written by 2 processes, this run has 1" in proc.stderr and "grpo_accel.export" in proc.stderr
-    assert file_manifest(run) == before
+    assert contents(run) == before
 
 
 def test_resume_with_other_settings_names_them(tmp_path):
