@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from pathlib import Path
 
 from grpo_accel.config import ConfigError, DataConfig, ModelConfig, RewardConfig
 from grpo_accel.data import load_rows, validate_rows
@@ -21,11 +22,39 @@ def build_tokenizer_and_model(cfg: ModelConfig, seed: int = 0):
         return tokenizer, build_tiny_model(tokenizer, spec, seed=seed)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, padding_side="left")
+    key = f"model.name_or_path={cfg.name_or_path!r}"
+    local = Path(cfg.name_or_path).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise ConfigError(f"{key}: {local} has no config.json, so it is not a model folder; point it at a folder "
+                              "written by save_pretrained (or python -m grpo_accel.models smollm2-135m OUT).")
+    elif _looks_like_a_path(cfg.name_or_path):
+        raise ConfigError(f"{key}: no such folder (cwd {Path.cwd()}); point it at a model folder written by "
+                          "save_pretrained, e.g. python -m grpo_accel.models smollm2-135m runs/smollm2-135m.")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, padding_side="left")
+    except (OSError, ValueError) as exc:
+        where = (f"{local} has no tokenizer files (tokenizer.json or tokenizer_config.json and its vocabulary); save "
+                 f"them beside the model with tokenizer.save_pretrained('{local}')") if local.exists() else (
+                 "it is no folder here, and loading it as a Hugging Face hub id failed; use a model folder, or a "
+                 "hub id on a machine that reaches the hub")
+        raise ConfigError(f"{key}: {where} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}).") from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, dtype=getattr(torch, cfg.dtype))
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) == 0 or not tokenizer("1+2=")["input_ids"]:
+        raise ConfigError(f"{key}: its tokenizer is empty (it encodes text to no tokens); save the model's own "
+                          "tokenizer beside it with tokenizer.save_pretrained.")
+    if len(tokenizer) > rows:
+        raise ConfigError(f"{key}: the tokenizer has {len(tokenizer)} tokens but the model embeds only {rows}; "
+                          "they do not belong together: save the model's own tokenizer beside it.")
     return tokenizer, model
+
+
+def _looks_like_a_path(name: str) -> bool:
+    """Hub ids are "name" or "org/name"; anything else that does not exist here was meant as a folder."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name or name.endswith("/")
 
 
 def build_rows(cfg: DataConfig) -> tuple[list[dict], list[dict]]:

@@ -112,3 +112,19 @@ def test_a_launch_that_times_out_is_killed_with_its_children(tmp_path):
             return
         time.sleep(0.1)
     raise AssertionError(f"the launcher's child {child} outlived the timeout")
+
+
+def test_model_folders_that_cannot_work_are_named_before_training(tmp_path, tokenizer, tiny_model):
+    from grpo_accel.build import build_tokenizer_and_model
+    from grpo_accel.config import ConfigError, ModelConfig
+    from grpo_accel.tasks.tiny import build_char_tokenizer
+
+    no_tokenizer, mismatched = tmp_path / "no_tokenizer", tmp_path / "mismatched"
+    tiny_model.save_pretrained(no_tokenizer)
+    tiny_model.save_pretrained(mismatched)
+    build_char_tokenizer("0123456789+-*=abcdefghijklmnopqrstuvwxyz").save_pretrained(mismatched)
+    cases = [(no_tokenizer, "has no tokenizer files"), (tmp_path / "missing" / "model", "no such folder"),
+             (tmp_path, "has no config.json"), (mismatched, "the tokenizer has 44 tokens but the model embeds only 18")]
+    for folder, message in cases:
+        with pytest.raises(ConfigError, match=f"model.name_or_path='{folder}': .*{message}"):
+            build_tokenizer_and_model(ModelConfig(name_or_path=str(folder)))
