@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(1, str(Path.cwd()))  # reward functions named `module:function` may live where the run starts
 
 import yaml
 

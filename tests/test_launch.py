@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from launching import ROOT, launch
+from launching import ROOT, launch, run_in_group
 
 
 def test_embedded_default_learns_and_logs_to_tensorboard(tmp_path):
@@ -98,8 +98,6 @@ def test_a_launch_that_times_out_is_killed_with_its_children(tmp_path):
     import os
     import time
 
-    from launching import run_in_group
-
     pid_file = tmp_path / "child.pid"
     with pytest.raises(subprocess.TimeoutExpired):
         run_in_group(["bash", "-c", f"sleep 300 & echo $! > {pid_file}; wait"], timeout=2)
@@ -128,3 +126,15 @@ def test_model_folders_that_cannot_work_are_named_before_training(tmp_path, toke
     for folder, message in cases:
         with pytest.raises(ConfigError, match=f"model.name_or_path='{folder}': .*{message}"):
             build_tokenizer_and_model(ModelConfig(name_or_path=str(folder)))
+
+
+def test_a_reward_module_in_the_working_directory_needs_no_pythonpath(tmp_path):
+    (tmp_path / "my_rewards.py").write_text("def always_one(prompts, completions, **fields):\n"
+                                            "    return [1.0] * len(completions)\n")
+    out = tmp_path / "run"
+    proc = run_in_group([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                         str(ROOT / "accelerate_configs" / "single_process.yaml"), str(ROOT / "launch" / "train.py"),
+                         f"output_dir={out}", "trainer.total_frames=256", "trainer.progress_bar=false",
+                         "rewards=[{name: 'my_rewards:always_one'}]"], cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads((out / "summary.json").read_text())["reward_last10_mean"] == 1.0
