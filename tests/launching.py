@@ -1,6 +1,7 @@
 """Run ``accelerate launch`` as a real subprocess: free port, timeout, every rank's output on failure."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -19,17 +20,60 @@ def free_port() -> int:
 
 
 def run_in_group(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
-    """``subprocess.run`` in a process group of its own that is killed whole on timeout: killing only the
-    launcher would leave its ranks running (and holding DeepSpeed's build lock)."""
+    """``subprocess.run`` that, on timeout, kills every process the command started and says where each was.
+
+    Killing the launcher's process group is not enough: torch's elastic agent starts each rank in a session of
+    its own, so ranks outlive it (holding DeepSpeed's build lock, and our output pipes, which left the wait for
+    their output hanging forever). So the whole process tree is found by parentage, each process is sent SIGABRT
+    first (``PYTHONFAULTHANDLER`` makes a Python process print its stack), then SIGKILL, and the error carries
+    the output up to the kill.
+    """
+    env = {**(kwargs.pop("env", None) or os.environ), "PYTHONFAULTHANDLER": "1"}
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                          **kwargs) as proc:
+                          env=env, **kwargs) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise
+        except BaseException as err:  # the timeout, or an interrupt while waiting: leave nothing running
+            _kill_tree(proc.pid)
+            try:
+                stdout, stderr = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired as late:  # a process outside the tree still holds a pipe
+                stdout, stderr = _text(late.stdout), _text(late.stderr)
+            if not isinstance(err, subprocess.TimeoutExpired):
+                raise
+            raise LaunchTimeout(cmd, timeout, output=stdout, stderr=stderr) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+class LaunchTimeout(subprocess.TimeoutExpired):
+    """A command ran past its timeout; the message carries its processes' output (and stacks) at the kill."""
+
+    def __str__(self) -> str:
+        return (f"{super().__str__()}\n--- stdout\n{_text(self.stdout)[-4000:]}\n"
+                f"--- stderr (all processes, with their stacks at the kill)\n{_text(self.stderr)[-16000:]}")
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGABRT then SIGKILL to ``pid`` and all its descendants, whatever session or group they are in."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        family = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        family = []
+    for process in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(signal.SIGABRT)
+    _, alive = psutil.wait_procs(family, timeout=5)
+    for process in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(alive, timeout=5)
+
+
+def _text(output: bytes | str | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def launch(config: str, script_args: list[str], *, timeout: float = 300, expect_ok: bool = True,

@@ -58,7 +58,7 @@ def source_dir(version: str) -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
                "-d", tmp, f"sglang=={version}"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         wheels = list(Path(tmp).glob("sglang-*.whl"))
         if proc.returncode != 0 or not wheels:
             raise RuntimeError(f"cannot fetch SGLang {version}'s source ({' '.join(cmd)}):\n{proc.stderr[-2000:]}\n"

@@ -71,7 +71,7 @@ def test_items_refuse_several_processes(tmp_path):
 def test_gpu_check_script_refuses_without_a_gpu():
     def run(*args):
         return subprocess.run(["bash", str(ROOT / "launch" / "gpu_check.sh"), *args], capture_output=True, text=True,
-                              env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
+                              env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"}, timeout=120)
 
     bench, sglang, other = run("bench"), run("sglang"), run("nonsense")
     assert bench.returncode != 0 and "no CUDA device" in bench.stderr

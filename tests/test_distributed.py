@@ -180,3 +180,58 @@ def test_micro_batch_mismatch_stops_before_any_process_group(tmp_path):
                   expect_ok=False, timeout=120)
     assert "each process collects 64 completions per step" in proc.stderr
     assert "process group ready" not in proc.stderr
+
+
+def test_a_build_lock_nobody_holds_is_removed_and_a_held_one_is_reported(tmp_path, caplog):
+    """torch's JIT builder holds its lock file open while it builds (torch/utils/file_baton.py) and others wait
+    on the file silently, forever; a builder killed mid-build left the file, and every later launch hung."""
+    import subprocess
+    import time
+
+    from grpo_accel.runtime import clear_stale_build_locks
+
+    lock = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+
+    def builder(seconds: float) -> subprocess.Popen:  # takes the lock as FileBaton.try_acquire does
+        code = (f"import os, time; fd = os.open({str(lock)!r}, os.O_CREAT | os.O_EXCL); print(flush=True); "
+                f"time.sleep({seconds}); os.close(fd); os.remove({str(lock)!r})")
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        proc.stdout.readline()
+        return proc
+
+    live = builder(2.0)
+    start = time.monotonic()
+    with caplog.at_level("WARNING", logger="grpo_accel.runtime"):
+        assert clear_stale_build_locks(tmp_path, report_every_s=0.5) == []  # waited for the build, removed nothing
+    assert live.wait() == 0 and time.monotonic() - start > 1.0
+    assert f"to finish building deepspeed_shm_comm (lock {lock})" in caplog.text and str(live.pid) in caplog.text
+
+    killed = builder(300)
+    killed.kill()
+    killed.wait()
+    assert lock.exists()
+    assert clear_stale_build_locks(tmp_path) == [lock] and not lock.exists()
+    assert "removed a stale build lock" in caplog.text
+
+
+def test_a_deepspeed_launch_after_a_killed_build_runs(tmp_path):
+    """The same stale lock, met by a real 2-process ZeRO-2 launch (it used to wait with no output, forever).
+    The lock goes into this machine's own build folder (a copy elsewhere makes DeepSpeed rebuild, 60 s here),
+    and is removed after the test whatever happens, so a failure here cannot hang the tests after it."""
+    import torch
+
+    from grpo_accel.runtime import extension_build_root
+
+    flavour = "cpu" if torch.version.cuda is None else "cu" + torch.version.cuda.replace(".", "")
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    lock = extension_build_root() / f"{python}_{flavour}" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    try:
+        proc = launch("zero2.yaml", [f"output_dir={tmp_path}/run", "trainer.total_frames=128",
+                                     "trainer.progress_bar=false", "checkpoint.interval_frames=null"], timeout=240)
+    finally:
+        stale = lock.exists()
+        lock.unlink(missing_ok=True)
+    assert f"removed a stale build lock {lock}" in proc.stderr and not stale

@@ -90,17 +90,26 @@ def test_import_is_cheap():
         "from grpo_accel import GRPOTrainer, GRPOLoss\n"
         "assert 'deepspeed' not in sys.modules and 'sglang' not in sys.modules, 'optional packages imported'\n"
     )
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 
 
 def test_a_launch_that_times_out_is_killed_with_its_children(tmp_path):
-    """Killing only the launcher would leave its ranks running (and holding DeepSpeed's build lock)."""
+    """torch's elastic agent starts each rank in a session of its own; a timeout must still end every rank (a
+    survivor holds DeepSpeed's build lock and our output pipe) and report where each one was."""
     import os
     import time
 
-    pid_file = tmp_path / "child.pid"
-    with pytest.raises(subprocess.TimeoutExpired):
-        run_in_group(["bash", "-c", f"sleep 300 & echo $! > {pid_file}; wait"], timeout=2)
+    pid_file = tmp_path / "rank.pid"
+    rank = ("import os, time\n"
+            f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+            "def waiting_for_a_peer_that_never_comes():\n"
+            "    time.sleep(300)\n"
+            "waiting_for_a_peer_that_never_comes()\n")
+    launcher = ("import subprocess, sys, time\n"  # the way torch's elastic agent starts a rank
+                f"subprocess.Popen([sys.executable, '-c', {rank!r}], start_new_session=True).wait()\n")
+    with pytest.raises(subprocess.TimeoutExpired) as timeout:
+        run_in_group([sys.executable, "-c", launcher], timeout=5)
+    assert "waiting_for_a_peer_that_never_comes" in str(timeout.value)  # the rank's stack, in the error
     child = int(pid_file.read_text())
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -109,7 +118,7 @@ def test_a_launch_that_times_out_is_killed_with_its_children(tmp_path):
         except ProcessLookupError:
             return
         time.sleep(0.1)
-    raise AssertionError(f"the launcher's child {child} outlived the timeout")
+    raise AssertionError(f"the launcher's rank {child} (in a session of its own) outlived the timeout")
 
 
 def test_model_folders_that_cannot_work_are_named_before_training(tmp_path, tokenizer, tiny_model):

@@ -333,7 +333,7 @@ def test_zero3_grpo_run_keeps_the_server_weights_equal_to_the_trainer(tmp_path, 
         state = server_state(url)
         assert_server_holds_checkpoint(url, out)
         check = subprocess.run([sys.executable, str(ROOT / "launch" / "check_sglang.py"), "--url", url, "--run",
-                                str(out)], capture_output=True, text=True)
+                                str(out)], capture_output=True, text=True, timeout=300)
     assert "pushing everything again" in proc.stderr
     assert state["weight_version"] == "3" and state["loads"] > 3 and state["groups"] == []
     assert check.returncode == 0, check.stdout + check.stderr  # launch/gpu_check.sh's verdicts, here on the stand-in
@@ -395,7 +395,7 @@ def test_unreachable_server_at_start_is_a_clear_error(tmp_path, model_dir):
 def test_launch_script_wires_servers_to_the_trainer():
     env = {**os.environ, "DRY_RUN": "1", "MODEL": "m", "SERVER_GPUS": "0 1", "TRAIN_GPUS": "2,3,4", "PYTHON": "py"}
     lines = subprocess.run(["bash", str(ROOT / "launch" / "sglang.sh"), "trainer.total_frames=9"], env=env,
-                           capture_output=True, text=True, check=True).stdout.splitlines()
+                           capture_output=True, text=True, check=True, timeout=60).stdout.splitlines()
     server = "py -m sglang.launch_server --model-path m --enable-deterministic-inference --port"
     assert lines[:2] == [f"CUDA_VISIBLE_DEVICES=0 {server} 30000", f"CUDA_VISIBLE_DEVICES=1 {server} 30001"]
     assert "--num_processes 3" in lines[2] and "rollout.urls=[http://127.0.0.1:30000,http://127.0.0.1:30001]" in lines[2]
