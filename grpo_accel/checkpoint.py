@@ -92,10 +92,11 @@ class CheckpointRotation:
         if self.keep_best < 0 or self.mode not in ("max", "min"):
             raise ValueError(f"CheckpointRotation: keep_best={self.keep_best} must be >= 0 and mode={self.mode!r} 'max' or 'min'.")
 
-    def to_delete(self, checkpoints: list[tuple[int, float | None]]) -> list[int]:
-        """Steps to delete from ``[(step, metric value or None), ...]``."""
+    def to_delete(self, checkpoints: list[tuple[int, float | None]], current: int | None = None) -> list[int]:
+        """Steps to delete from ``[(step, metric value or None), ...]``; ``current``, the step just saved, is
+        kept even where newer steps exist (a run resumed from an older checkpoint)."""
         steps = sorted(step for step, _ in checkpoints)
-        keep = set(steps[-self.keep_last :])
+        keep = set(steps[-self.keep_last :]) | {current}
         scored = [(value, step) for step, value in checkpoints if value is not None]
         scored.sort(reverse=self.mode == "max")
         keep.update(step for _, step in scored[: self.keep_best])
@@ -142,7 +143,12 @@ class Checkpoint:
             return found[-1] if found else None
         path = Path(self.resume)
         if not (path / MARKER).is_file():
-            why = "does not exist" if not path.exists() else f"has no {MARKER} marker (an interrupted save)"
+            if not path.exists():
+                why = "does not exist"
+            elif _STEP_DIR.match(path.name.removeprefix(".tmp-")):
+                why = f"has no {MARKER} marker (an interrupted save)"
+            else:
+                why = "is not a checkpoint (checkpoints are output_dir/checkpoints/step_* folders)"
             raise CheckpointError(f"checkpoint.resume={str(path)!r} {why}; complete checkpoints here: "
                                   f"{[p.name for p in self.complete()] or 'none'}.")
         return path
@@ -202,18 +208,32 @@ class Checkpoint:
         os.replace(staging, final)
         return final
 
-    def rotate(self, rotation: CheckpointRotation) -> list[Path]:
-        """Delete what ``rotation`` does not keep; returns the deleted folders."""
+    def rotate(self, rotation: CheckpointRotation, current: int | None = None) -> list[Path]:
+        """Delete what ``rotation`` does not keep (never ``current``, the step just saved); returns the deleted
+        folders."""
         entries = []
         for path in self.complete():
             meta = self.read_metadata(path)
             entries.append((meta["step"], meta.get("metrics", {}).get(rotation.metric)))
         deleted = []
-        for step in rotation.to_delete(entries):
+        for step in rotation.to_delete(entries, current):
             path = self.directory / step_dir_name(step)
             shutil.rmtree(path, ignore_errors=True)
             deleted.append(path)
         return deleted
+
+
+def _no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) says the disk is full; torch's zip writer says "unexpected pos"."""
+    import errno
+
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(exc) or "unexpected pos" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 class RunCheckpointer:
@@ -239,26 +259,52 @@ class RunCheckpointer:
         import torch
 
         start = time.perf_counter()
+        from grpo_accel.distributed import any_process
+
         acc, staging = self.accelerator, self.checkpoint.staging_dir(step)
         if acc.is_main_process and staging.exists():
             shutil.rmtree(staging)
         acc.wait_for_everyone()
-        acc.save_state(str(staging))
-        torch.save(rank_state, rank_state_file(staging, acc.process_index))
-        acc.wait_for_everyone()
+        failed = None
+        try:
+            acc.save_state(str(staging))
+            torch.save(rank_state, rank_state_file(staging, acc.process_index))
+            if acc.is_main_process:
+                for asset in hf_assets:
+                    asset.save_pretrained(staging / "hf")
+        except Exception as exc:  # e.g. the disk filled up: every process learns it below, none waits forever
+            failed = exc
+        if any_process(acc, failed is not None):
+            shutil.rmtree(staging, ignore_errors=True)
+            raise self._save_failed(step, failed)
         final = self.checkpoint.directory / step_dir_name(step)
         if acc.is_main_process:
-            for asset in hf_assets:
-                asset.save_pretrained(staging / "hf")
             extra = self.metadata() if self.metadata is not None else {}
             final = self.checkpoint.finalize(step, {**info, "step": step, "user": extra})
-            deleted = self.checkpoint.rotate(self.rotation) if self.rotation is not None else []
+            deleted = self.checkpoint.rotate(self.rotation, current=step) if self.rotation is not None else []
             size = sum(file_manifest(final).values())
             logger.info("checkpoint %s saved (%s) in %.2f s, %.1f MB%s", final, info.get("reason"),
                         time.perf_counter() - start, size / 1e6,
                         f"; rotated out {[p.name for p in deleted]}" if deleted else "")
         acc.wait_for_everyone()
         return final
+
+    def _save_failed(self, step: int, exc: Exception | None) -> CheckpointError:
+        """The error for a save that failed on some process; its partial folder is already gone."""
+        directory = self.checkpoint.directory
+        kept = self.checkpoint.complete()
+        needed = sum(file_manifest(kept[-1]).values()) if kept else None
+        free = shutil.disk_usage(directory).free
+        if exc is None:
+            why = "another process failed to write its part"
+        elif _no_space(exc) or (needed is not None and free < needed):
+            need = f"the last checkpoint needed {needed / 1e6:.1f} MB" if needed else "this is the first checkpoint"
+            why = f"no space left on {directory} ({free / 1e6:.1f} MB free; {need})"
+        else:
+            why = f"{type(exc).__name__}: {exc}"
+        return CheckpointError(f"checkpoint {step_dir_name(step)} could not be saved: {why}. Its partial folder was "
+                               f"removed and earlier checkpoints are kept ({[p.name for p in kept] or 'none'}); "
+                               "make room (or a new output_dir), then rerun with checkpoint.resume=auto.")
 
     def load(self, path: Path, *, signature: str, strict: bool = True) -> dict | None:
         """Verify ``path`` against this run, load accelerate state, return this rank's trainer state."""

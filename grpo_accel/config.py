@@ -311,16 +311,16 @@ RESUME_MUST_MATCH = ("model.", "data.", "rollout.prompts_per_step", "rollout.gro
 
 def resume_conflicts(saved: dict, current: dict) -> list[str]:
     """``key: saved -> current`` for every RESUME_MUST_MATCH setting that differs."""
-    a, b = _flatten(saved), _flatten(current)
+    a, b = flatten_keys(saved), flatten_keys(current)
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
             if k.startswith(RESUME_MUST_MATCH) and a.get(k) != b.get(k)]
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def flatten_keys(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
         if isinstance(v, dict) and k != "kwargs":
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten_keys(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -330,6 +330,9 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 class GRPOConfig:
     output_dir: str = "runs/default"
     """Run folder: tensorboard/, checkpoints/, the resolved config.yaml, summary.json."""
+    overwrite: bool = False
+    """true: a fresh run deletes an earlier run's checkpoints/, tensorboard/ and summary.json in output_dir first
+    (false: it refuses such a folder; checkpoint.resume=auto continues that run instead)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

@@ -119,6 +119,13 @@ def configure_deepspeed_for(accelerator, module, *, micro_batch: int, accumulati
                             hidden_size=getattr(config, "hidden_size", None))
 
 
+def any_process(accelerator, flag: bool) -> bool:
+    """True on every process when ``flag`` is true on any (one all-reduce; collective)."""
+    import torch
+
+    return bool(accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), "sum")[0] > 0)
+
+
 def zero_stage(accelerator) -> int:
     """The ZeRO stage of ``accelerator`` (0 without DeepSpeed)."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)

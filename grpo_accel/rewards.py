@@ -11,6 +11,7 @@ It returns one float per completion. Accept ``**fields`` so that new fields neve
 """
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from typing import Callable, Mapping, Sequence
@@ -73,6 +74,19 @@ class RewardSet:
     @property
     def names(self) -> list[str]:
         return list(self.fns)
+
+    def required_columns(self, provided: Sequence[str] = ("completion_ids", "finish_reason")) -> dict[str, list[str]]:
+        """name -> the arguments each function requires beyond prompts, completions and ``provided``: dataset
+        columns it will be called with (e.g. answer_match -> ["answer"])."""
+        needed = {}
+        for name, fn in self.fns.items():
+            try:
+                params = list(inspect.signature(fn).parameters.values())[2:]
+            except (TypeError, ValueError):  # a callable without a readable signature: nothing to check
+                continue
+            needed[name] = [p.name for p in params if p.default is p.empty and p.name not in provided
+                            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        return {name: cols for name, cols in needed.items() if cols}
 
     def __call__(self, prompts: list[str], completions: list[str], **fields) -> TensorDict:
         n = len(completions)

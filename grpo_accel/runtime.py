@@ -90,7 +90,8 @@ def lock_holders(path: Path, proc: Path = Path("/proc")) -> list[int]:
     return holders
 
 
-def _command_line(pid: int) -> str:
+def command_line(pid: int) -> str:
+    """The command line of ``pid`` ("?" where it cannot be read)."""
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
@@ -124,7 +125,7 @@ def clear_stale_build_locks(root: Path | None = None, *, report_every_s: float =
                 continue
             if time.monotonic() >= next_report:
                 logger.warning("waiting %.0f s so far for pid %s (%s) to finish building %s (lock %s)",
-                               time.monotonic() - start, holders[0], _command_line(holders[0]), lock.parent.name,
+                               time.monotonic() - start, holders[0], command_line(holders[0]), lock.parent.name,
                                lock)
                 next_report += report_every_s
             time.sleep(poll_s)

@@ -12,6 +12,7 @@ One iteration (stages in brackets; see :mod:`grpo_accel.hooks`)::
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -27,7 +28,7 @@ from grpo_accel import batch as K
 from grpo_accel.buffer import ReplayBuffer
 from grpo_accel.checkpoint import (Checkpoint, CheckpointError, RunCheckpointer, load_trainer_payload,
                                    parameter_signature, save_trainer_payload)
-from grpo_accel.distributed import configure_deepspeed_for, full_shape, zero_stage
+from grpo_accel.distributed import any_process, configure_deepspeed_for, full_shape, zero_stage
 from grpo_accel.hooks import Hooks
 from grpo_accel.loss import distributed_normalizer
 from grpo_accel.metrics import mean_over_processes, rollout_scalars
@@ -127,6 +128,7 @@ class GRPOTrainer:
         _require(not (async_collection and getattr(getattr(collector, "engine", None), "model", None) is
                       getattr(loss_module, "policy", object())), "async_collection", async_collection,
                  "the engine generates from the weights being trained; give it its own copy and a weight-sync sender")
+        _shard_collector(collector, acc)
         self.collector, self.total_frames, self.frame_skip = collector, total_frames, frame_skip
         self.optim_steps_per_batch, self.num_epochs = optim_steps_per_batch, num_epochs
         self.weight_sync_sender, self.weight_update_frequency = weight_sync_sender, weight_update_frequency
@@ -454,8 +456,7 @@ class GRPOTrainer:
 
     def _should_stop(self) -> bool:
         """Every process takes the same decision: one all-reduce of the stop flags per iteration."""
-        local = torch.tensor([float(self._stop_reason is not None)], device=self.accelerator.device)
-        if self.accelerator.num_processes > 1 and bool(self.accelerator.reduce(local, reduction="sum")[0] > 0):
+        if self.accelerator.num_processes > 1 and any_process(self.accelerator, self._stop_reason is not None):
             self._stop_reason = self._stop_reason or "another process requested a stop"
         return self._stop_reason is not None or self.frames >= self.total_frames
 
@@ -506,3 +507,18 @@ class GRPOTrainer:
 def _require(ok: bool, name: str, value, fix: str) -> None:
     if not ok:
         raise ValueError(f"GRPOTrainer: {name}={value!r} is invalid: {fix}.")
+
+
+def _shard_collector(collector, acc) -> None:
+    """A collector built for one process (GRPOCollector's default) takes this process's share of every batch
+    under several; one split for another process count is an error. Otherwise every process would train on the
+    same prompts and count the frames again."""
+    world = getattr(collector, "world_size", None)
+    if world is None or world == acc.num_processes:  # a collector of its own kind, or already split
+        _require(world is None or collector.rank == acc.process_index, "collector.rank", getattr(collector, "rank", None),
+                 f"this is process {acc.process_index}; pass rank=accelerator.process_index")
+        return
+    _require(world == 1, "collector.world_size", world,
+             f"the accelerator runs {acc.num_processes} processes; build the collector with "
+             f"world_size={acc.num_processes} and rank=accelerator.process_index, or leave both unset")
+    collector.shard(acc.process_index, acc.num_processes, functools.partial(any_process, acc))

@@ -13,8 +13,10 @@ import argparse
 import copy
 import json
 import logging
+import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -23,6 +25,7 @@ sys.path.insert(1, str(Path.cwd()))  # reward functions named `module:function` 
 import yaml
 
 from grpo_accel.config import GRPOConfig, load_config, to_dict
+from grpo_accel.run_folder import RunFolderLock
 
 log = logging.getLogger("grpo_accel.train")
 
@@ -45,8 +48,14 @@ def build_trainer(cfg: GRPOConfig):
     # Everything that can be checked without a process group is checked first.
     preflight()
     cfg.check_batch_layout(launch_world_size())
+    per_step = r.prompts_per_step * r.group_size
+    if t.total_frames % per_step:
+        rounded = -(-t.total_frames // per_step) * per_step
+        log.warning("trainer.total_frames=%d is rounded up to %d: batches are collected whole (%d prompts x %d = %d "
+                    "completions)", t.total_frames, rounded, r.prompts_per_step, r.group_size, per_step)
+        t.total_frames = rounded
     c = cfg.checkpoint
-    checkpoint = Checkpoint(Path(cfg.output_dir) / "checkpoints", resume=c.resume)
+    checkpoint = run_checkpoint(cfg)
     if (resume := checkpoint.resume_path()) is not None:
         conflicts = resume_conflicts(Checkpoint.read_metadata(resume)["user"]["config"], to_dict(cfg))
         if conflicts:
@@ -69,15 +78,11 @@ def build_trainer(cfg: GRPOConfig):
     engine, sender = build_engine_and_sender(cfg, model, tokenizer, accelerator)
     rewards = build_rewards(cfg.rewards)
 
-    def any_process(flag: bool) -> bool:
-        return bool(accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), "sum")[0] > 0)
-
-    collector = GRPOCollector(
+    collector = GRPOCollector(  # the trainer gives it this process's share of each batch
         engine, tokenizer, rows, rewards, prompts_per_batch=r.prompts_per_step,
         group_size=r.group_size, prompt_field=cfg.data.prompt_field, max_prompt_tokens=r.max_prompt_tokens,
         scale_advantages=lc.scale_advantages, leave_one_out=lc.leave_one_out, seed=t.seed,
-        rank=accelerator.process_index, world_size=accelerator.num_processes,
-        dynamic_sampling=r.dynamic_sampling, max_extra_rounds=r.max_extra_rounds, sync_any=any_process,
+        dynamic_sampling=r.dynamic_sampling, max_extra_rounds=r.max_extra_rounds,
     )
     loss = GRPOLoss(
         model, reference, clip_epsilon=(lc.clip_eps_low, lc.clip_eps_high),
@@ -109,6 +114,32 @@ def build_trainer(cfg: GRPOConfig):
                               prompt_field=cfg.data.prompt_field, success_threshold=cfg.eval.success_threshold)
         trainer.register_op("post_iteration", evaluator, "evaluate")
     return trainer
+
+
+def run_checkpoint(cfg: GRPOConfig):
+    """The run's checkpoint folder; a fresh run refuses output_dir if an earlier run's outputs are there (every
+    process checks), unless ``overwrite=true`` (the first process deletes them)."""
+    from grpo_accel.checkpoint import Checkpoint
+    from grpo_accel.config import ConfigError
+    from grpo_accel.run_folder import previous_run_outputs, remove_run_outputs
+
+    out = Path(cfg.output_dir)
+    checkpoint = Checkpoint(out / "checkpoints", resume=cfg.checkpoint.resume)
+    if checkpoint.resume_path() is not None or not (found := previous_run_outputs(out)):
+        return checkpoint
+    if not cfg.overwrite:
+        raise ConfigError(
+            f"output_dir={str(out)!r} holds an earlier run's {', '.join(found)} and this run starts fresh "
+            f"(checkpoint.resume={cfg.checkpoint.resume!r}): checkpoint.resume=auto continues that run; a new run "
+            "needs another output_dir, or overwrite=true to delete them first.")
+    if first_process():
+        log.warning("overwrite=true: deleted an earlier run's %s in %s", ", ".join(remove_run_outputs(out)), out)
+    return checkpoint
+
+
+def first_process() -> bool:
+    """Rank 0 of the launch (before any process group exists)."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 def build_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
@@ -174,17 +205,62 @@ def write_config(out: Path, cfg: GRPOConfig) -> None:
     (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
+def keys_with_defaults() -> str:
+    """Every config key with its default, for --help (meanings: README.md, "Configuration")."""
+    from grpo_accel.config import flatten_keys
+
+    flat = flatten_keys(to_dict(GRPOConfig()))
+    return "keys (key=default; README.md, section Configuration, says what each means):\n" + "\n".join(
+        f"  {key}={json.dumps(value)}" for key, value in flat.items())
+
+
+def quiet_console() -> None:
+    """Our log lines; each warning once per process (DeepSpeed's ZeRO-3 collectives raised torch's deprecation
+    warning ~40 times per batch); Accelerate's per-checkpoint INFO lines dropped (we log one line per checkpoint).
+    ``python -W``/``PYTHONWARNINGS`` still win."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if not sys.warnoptions:
+        warnings.showwarning = shown_once(warnings.showwarning)
+    for name in ("accelerate.accelerator", "accelerate.checkpointing"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def shown_once(showwarning):
+    """``showwarning`` for each (text, category) once. The "once" filter cannot do it: every change to the
+    filters (each ``warnings.catch_warnings`` block, which torch and DeepSpeed enter per step) clears its memory."""
+    seen = set()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if (key := (str(message), category)) not in seen:
+            seen.add(key)
+            showwarning(message, category, filename, lineno, file, line)
+
+    return show
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=keys_with_defaults())
     parser.add_argument("--config", help="YAML config file (defaults: the built-in embedded run)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_frames=256")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    quiet_console()
     from grpo_accel.runtime import configure_threads
 
     cfg = load_config(args.config, args.overrides)
     configure_threads()
     start = time.perf_counter()
+    lock = RunFolderLock(cfg.output_dir) if first_process() else None
+    if lock is not None:
+        lock.acquire()  # before anything is read or written there: one run per folder
+    try:
+        return run(cfg, start)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def run(cfg: GRPOConfig, start: float) -> int:
     trainer = build_trainer(cfg)
     out = Path(cfg.output_dir)
     main_process = trainer.accelerator.is_main_process
@@ -193,8 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     resuming = trainer.checkpoint is not None and trainer.checkpoint.resume_path() is not None
     if main_process and not resuming:
         write_config(out, cfg)
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
     try:
-        trainer.train()
+        with logging_redirect_tqdm():  # log lines print above the progress bar, which stays one line
+            trainer.train()
     finally:
         if hasattr(trainer.weight_sync_sender, "close"):  # SGLang senders leave no group behind on the servers
             trainer.weight_sync_sender.close()
@@ -205,11 +284,57 @@ def main(argv: list[str] | None = None) -> int:
         summary = summarize(trainer, time.perf_counter() - start)
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         log.info("summary: %s", json.dumps(summary))
+        if trainer._stop_reason is not None and trainer.checkpoint is not None and trainer.checkpoint.complete():
+            log.warning("stopped (%s) after %d frames, saved in %s; to continue, run the same command with "
+                        "checkpoint.resume=auto", trainer._stop_reason, trainer.frames,
+                        trainer.checkpoint.complete()[-1])
     trainer.accelerator.end_training()
     return 0
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """Our errors whose message names the setting or file, the value and the fix: no traceback needed."""
+    from grpo_accel.checkpoint import CheckpointError
+    from grpo_accel.config import ConfigError
+    from grpo_accel.data import DataError
+    from grpo_accel.distributed import DistributedConfigError
+    from grpo_accel.run_folder import RunFolderBusy
+
+    return ConfigError, DataError, DistributedConfigError, CheckpointError, RunFolderBusy
+
+
+def main_reporting_errors(argv: list[str] | None = None) -> int:
+    """``main()``; one of :func:`user_errors` becomes one line on stderr and exit code 2 instead of a traceback
+    per process. Before the process group exists every process meets the same error, so rank 0 alone says it
+    (the others wait a moment, so that rank 0's is the first failure); after, each failing process says it with
+    its rank. Under torchrun the line also goes to the agent's error file, so the launcher's failure report shows
+    it instead of a pointer to the docs. Other errors keep their traceback."""
+    from grpo_accel.hooks import HookError
+
+    try:
+        try:
+            return main(argv)
+        except HookError as err:  # e.g. a checkpoint that cannot be saved, from the checkpoint hook
+            if isinstance(err.__cause__, user_errors()):
+                raise err.__cause__ from None
+            raise
+    except user_errors() as err:
+        import torch.distributed as dist
+
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        grouped = dist.is_available() and dist.is_initialized() and world > 1
+        line = f"error (rank {rank} of {world}): {err}" if grouped else f"error: {err}"
+        if rank == 0 or grouped:
+            logging.shutdown()  # pending log lines first: this one stays last
+            print(line, file=sys.stderr, flush=True)
+        if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+        if not grouped and rank != 0:
+            time.sleep(3)  # rank 0 fails first and says it: the launcher stops the others at the first failure
+        return 2
 
 
 if __name__ == "__main__":
     from grpo_accel.runtime import exit_skipping_teardown
 
-    exit_skipping_teardown(main())
+    exit_skipping_teardown(main_reporting_errors())

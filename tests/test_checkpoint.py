@@ -32,6 +32,8 @@ def test_rotation_keeps_newest_last_n_and_best():
     assert rot.to_delete([(1, 0.9), (2, 0.1), (3, 0.2), (4, 0.3)]) == [2]  # keeps 3, 4 (last) and 1 (best)
     assert CheckpointRotation(keep_last=1).to_delete([(5, None), (7, None), (6, None)]) == [5, 6]
     assert CheckpointRotation(keep_last=1, keep_best=1, mode="min").to_delete([(1, 0.5), (2, 0.9)]) == []
+    # resumed from step 5 while 6 and 7 remain from before: the step just saved stays, whatever the settings
+    assert CheckpointRotation(keep_last=1).to_delete([(5, None), (7, None), (6, None)], current=6) == [5]
     with pytest.raises(ValueError, match="keep_last=0"):
         CheckpointRotation(keep_last=0)
 
@@ -130,3 +132,69 @@ def test_export_round_trips_logits(tokenizer, tmp_path):
     assert AutoTokenizer.from_pretrained(out)("1+1=")["input_ids"] == tokenizer("1+1=")["input_ids"]
     with pytest.raises(CheckpointError, match="not a complete checkpoint"):
         export_checkpoint(tmp_path, tmp_path / "x")
+
+
+def test_run_folder_lock_names_a_live_holder_and_takes_over_from_a_dead_one(tmp_path, caplog):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from grpo_accel.run_folder import RunFolderBusy, RunFolderLock
+
+    holder = subprocess.Popen([sys.executable, "-c", "import time; from grpo_accel.run_folder import RunFolderLock; "
+                               f"RunFolderLock({str(tmp_path)!r}).acquire(); print(flush=True); time.sleep(300)"],
+                              stdout=subprocess.PIPE, text=True)
+    holder.stdout.readline()
+    lock = RunFolderLock(tmp_path)
+    try:
+        with pytest.raises(RunFolderBusy, match=f"is in use by pid {holder.pid} on .* since .*time.sleep"):
+            lock.acquire()
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+    with caplog.at_level("WARNING", logger="grpo_accel.run_folder"):
+        lock.acquire()
+    assert f"taking over the lock of pid {holder.pid}" in caplog.text and lock.held
+    with pytest.raises(RunFolderBusy, match=f"pid {os.getpid()}"):  # held by this live process now
+        RunFolderLock(tmp_path).acquire()
+    lock.release()
+    assert not lock.path.exists()
+    lock.path.write_text('{"host": "elsewhere", "pid": 1, "since": "today", "command": "train"}')
+    with pytest.raises(RunFolderBusy, match="another host: if that run has ended, delete the lock file"):
+        RunFolderLock(tmp_path).acquire()
+
+
+def test_resume_from_a_folder_that_is_no_checkpoint_says_so(tmp_path):
+    (tmp_path / "plain").mkdir()
+    (tmp_path / ".tmp-step_00000004").mkdir()
+    with pytest.raises(CheckpointError, match="plain' is not a checkpoint .*step_\\* folders"):
+        Checkpoint(tmp_path, resume=str(tmp_path / "plain")).resume_path()
+    with pytest.raises(CheckpointError, match="an interrupted save"):
+        Checkpoint(tmp_path, resume=str(tmp_path / ".tmp-step_00000004")).resume_path()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MB tmpfs (the tiny model's checkpoint is about 1.1 MB: the second one does not fit)."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root): the disk-full case is not exercised")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def test_a_full_disk_is_named_and_loses_nothing(tokenizer, small_disk):
+    from grpo_accel.hooks import HookError
+
+    with pytest.raises(HookError) as failure:
+        run(tokenizer, small_disk, 4, save_trainer_interval=FRAMES)
+    error = failure.value.__cause__
+    assert isinstance(error, CheckpointError), failure.value
+    assert f"checkpoint step_00000002 could not be saved: no space left on {small_disk / 'ckpt'}" in str(error)
+    assert "the last checkpoint needed 1.1 MB" in str(error) and "earlier checkpoints are kept (['step_00000001'])" in str(error)
+    assert [p.name for p in (small_disk / "ckpt").iterdir()] == ["step_00000001"]  # the partial folder is gone
+    assert Checkpoint(small_disk / "ckpt", resume="auto").resume_path().name == "step_00000001"

@@ -6,7 +6,7 @@ import torch
 from grpo_accel import batch as K
 from grpo_accel.build import build_rewards, build_rows, resolve_reward
 from grpo_accel.config import ConfigError, DataConfig, RewardConfig
-from grpo_accel.data import load_rows, validate_rows
+from grpo_accel.data import DataError, load_rows, validate_rows
 from grpo_accel.rewards import RewardSet, answer_match, format_match
 from grpo_accel.rollout.collector import GRPOCollector
 from grpo_accel.rollout.local import EmbeddedEngine
@@ -79,9 +79,43 @@ def test_group_size_below_two_is_rejected(tokenizer, tiny_model):
 
 def test_too_long_prompt_names_its_row(tokenizer, tiny_model):
     rows = ROWS[:2] + [{"prompt": "1" * 50 + "=", "answer": "1"}]
-    c = _collector(tokenizer, tiny_model, rows=rows, prompts_per_batch=3, max_prompt_tokens=10)
-    with pytest.raises(ValueError, match=r"dataset row 2: prompt is 51 tokens.*max_prompt_tokens=10"):
-        c.collect()
+    with pytest.raises(DataError, match=r"dataset row 2: column 'prompt' is 51 tokens.*max_prompt_tokens=10"):
+        _collector(tokenizer, tiny_model, rows=rows, prompts_per_batch=3, max_prompt_tokens=10)  # before any batch
+
+
+def test_rows_without_a_column_a_reward_needs_are_named_before_any_batch(tokenizer, tiny_model):
+    with pytest.raises(DataError, match=r"reward 'answer_match' needs column\(s\) \['answer'\].*row 0 has \['prompt'\]"):
+        _collector(tokenizer, tiny_model, rows=[{"prompt": "1+1="}, {"prompt": "2+2="}], prompts_per_batch=2)
+    with pytest.raises(DataError, match=r"row 1 lacks column\(s\) \['answer'\] that row 0 has"):
+        _collector(tokenizer, tiny_model, rows=[ROWS[0], {"prompt": "2+2="}], prompts_per_batch=2)
+
+
+def test_prompts_the_tokenizer_cannot_read_are_named(tokenizer, tiny_model, caplog):
+    rows = [ROWS[0], {"prompt": "é+1=", "answer": "1"}, {"prompt": "1+ü=", "answer": "1"}]
+    with caplog.at_level("WARNING", logger="grpo_accel.rollout.collector"):
+        _collector(tokenizer, tiny_model, rows=rows, prompts_per_batch=1)
+    assert "2 of 3 prompts hold text the tokenizer maps to its unknown token '<unk>' (first: row 1" in caplog.text
+
+    class Silent:  # a tokenizer that encodes text to nothing (what an empty tokenizer file gives)
+        def __call__(self, text):
+            return {"input_ids": [] if text == "2+2=" else tokenizer(text)["input_ids"]}
+
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+    with pytest.raises(DataError, match="dataset row 1: column 'prompt' encodes to no tokens"):
+        _collector(Silent(), tiny_model, rows=[ROWS[0], {"prompt": "2+2=", "answer": "4"}], prompts_per_batch=2)
+
+
+def test_required_columns_are_the_arguments_without_defaults():
+    from functools import partial
+
+    def needs_two(prompts, completions, answer, unit, scale=1.0, **fields):
+        return [0.0] * len(completions)
+
+    rewards = RewardSet({"a": answer_match, "f": format_match, "two": needs_two, "bound": partial(needs_two, unit="m"),
+                         "ids": lambda prompts, completions, completion_ids: [0.0] * len(completions)})
+    assert rewards.required_columns() == {"a": ["answer"], "two": ["answer", "unit"], "bound": ["answer"]}
 
 
 def test_reserved_dataset_field_is_rejected(tokenizer, tiny_model):
@@ -110,7 +144,7 @@ def test_load_rows_jsonl_and_parquet(tmp_path):
     bad.write_text('{"prompt": "a"}\nnot json\n')
     with pytest.raises(ValueError, match="line 2 is not JSON"):
         load_rows(bad)
-    with pytest.raises(FileNotFoundError, match="no such file"):
+    with pytest.raises(DataError, match="no such file"):
         load_rows(tmp_path / "missing.jsonl")
     with pytest.raises(ValueError, match="unknown file type '.csv'"):
         (tmp_path / "d.csv").write_text("x")

@@ -46,12 +46,27 @@ def test_model_path_and_dataset_file(tmp_path, tokenizer, tiny_model):
     [("rollout.group_size=1", "rollout.group_size=1: GRPO compares completions"),
      ("data.path=/nonexistent.jsonl", "data.path='/nonexistent.jsonl': no such file"),
      ("trainer.micro_batch_completions=48", "multiple of micro_batch_completions x gradient_accumulation_steps = 48"),
-     ("rollout.max_prompt_tokens=2", "prompt is 4 tokens, more than rollout.max_prompt_tokens=2")],
+     ("rollout.max_prompt_tokens=2", "dataset row 0: column 'prompt' is 4 tokens, more than rollout.max_prompt_tokens=2")],
 )
 def test_bad_input_stops_with_a_named_error(tmp_path, override, message):
     proc = launch("single_process.yaml", [f"output_dir={tmp_path}", override], expect_ok=False, timeout=120)
     assert proc.returncode != 0
-    assert message in proc.stderr
+    said = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(said) == 1 and message in said[0], proc.stderr[-3000:]  # one line, not a traceback
+    assert 'launch/train.py", line' not in proc.stderr
+
+
+def test_an_error_of_ours_is_one_line_and_exit_code_2(tmp_path):
+    """Run directly, it is the last line; under a 2-process launch one process says it and torch's launcher
+    report names it instead of pointing at its docs."""
+    bad = [f"output_dir={tmp_path}", "trainer.micro_batch_completions=48"]
+    direct = run_in_group([sys.executable, str(ROOT / "launch" / "train.py"), *bad], timeout=120)
+    assert direct.returncode == 2
+    assert direct.stderr.splitlines()[-1].startswith("error: trainer.micro_batch_completions=48: each process")
+    proc = launch("ddp.yaml", bad, expect_ok=False, timeout=120)
+    said = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(said) == 1 and "use auto or one of [1, 2, 4, 8, 16, 32, 64]" in said[0]
+    assert f"traceback : {said[0]}" in proc.stderr and 'launch/train.py", line' not in proc.stderr
 
 
 def test_empty_dataset_names_the_file(tmp_path):
@@ -147,3 +162,19 @@ def test_a_reward_module_in_the_working_directory_needs_no_pythonpath(tmp_path):
                          "rewards=[{name: 'my_rewards:always_one'}]"], cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert json.loads((out / "summary.json").read_text())["reward_last10_mean"] == 1.0
+
+
+def test_help_lists_every_key_with_its_default():
+    out = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), "--help"], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    for line in ("  output_dir=\"runs/default\"", "  overwrite=false", "  trainer.total_frames=128000",
+                 "  trainer.micro_batch_completions=\"auto\"", "  weight_sync.timeout_s=600.0"):
+        assert line in out.splitlines(), out[-3000:]
+
+
+def test_the_api_example_splits_each_batch_across_processes():
+    """A script built on the Python API (launch/api_example.py) under ddp.yaml gave both processes world_size 1
+    and the same prompts, and counted every frame twice."""
+    proc = launch("ddp.yaml", ["256"], script=(str(ROOT / "launch" / "api_example.py"),))
+    for rank in (0, 1):
+        assert f"process {rank} of 2: share {rank} of 2 of each batch, 256 frames in all" in proc.stdout, proc.stdout

@@ -62,6 +62,9 @@ def test_sigterm_on_one_rank_checkpoints_every_rank_and_exits_zero(tmp_path):
     assert summary["final_iteration"] == 3 and "another process requested a stop" in summary["stop_reason"]
     last = Checkpoint(run / "checkpoints").complete()[-1]
     assert last.name == "step_00000003"
+    assert proc.stderr.strip().splitlines()[-1].endswith(  # the last line says how to go on
+        f"stopped (another process requested a stop) after 384 frames, saved in {last}; to continue, run the same "
+        "command with checkpoint.resume=auto")
     assert json.loads((last / "metadata.json").read_text())["reason"] == "another process requested a stop"
     assert (last / "trainer_state_rank0.pt").is_file() and (last / "trainer_state_rank1.pt").is_file()
     launch("zero2.yaml", [f"output_dir={run}", f"trainer.total_frames={6 * BATCH}", *BASE, rewards,
@@ -99,6 +102,46 @@ def test_resume_with_other_settings_names_them(tmp_path):
                   expect_ok=False)
     assert "was trained with other settings" in proc.stderr
     assert "model.hidden_size: 64 -> 32" in proc.stderr and "rollout.group_size: 8 -> 4" in proc.stderr
+
+
+def test_a_fresh_run_never_lands_on_another_runs_outputs(tmp_path):
+    """Reusing an output_dir used to rotate out the earlier run's checkpoints (and its own), mix TensorBoard
+    files and feed resume=auto; and two live runs could write one folder."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from grpo_accel.tracking import read_scalars
+
+    run = tmp_path / "run"
+    launch("single_process.yaml", [f"output_dir={run}", f"trainer.total_frames={2 * BATCH}", *BASE])
+    before = contents(run)
+    proc = launch("single_process.yaml", [f"output_dir={run}", f"trainer.total_frames={BATCH}", *BASE], expect_ok=False)
+    assert "holds an earlier run's checkpoints, tensorboard, summary.json" in proc.stderr
+    assert "checkpoint.resume=auto continues that run" in proc.stderr and "overwrite=true" in proc.stderr
+    assert contents(run) == before
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from grpo_accel.run_folder import RunFolderLock; "
+                               f"RunFolderLock({str(run)!r}).acquire(); print(flush=True); time.sleep(300)"],
+                              stdout=subprocess.PIPE, text=True)
+    holder.stdout.readline()
+    try:
+        proc = launch("single_process.yaml", [f"output_dir={run}", f"trainer.total_frames={3 * BATCH}", *BASE,
+                                              "checkpoint.resume=auto"], expect_ok=False)
+        assert f"is in use by pid {holder.pid} on" in proc.stderr
+        assert {k: v for k, v in contents(run).items() if k != ".grpo_accel.lock"} == before
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)  # leaves its lock behind, as a killed run does
+        holder.wait()
+
+    proc = launch("single_process.yaml", [f"output_dir={run}", "trainer.total_frames=10", *BASE, "overwrite=true"])
+    assert "trainer.total_frames=10 is rounded up to 128: batches are collected whole" in proc.stderr
+    assert f"taking over the lock of pid {holder.pid}" in proc.stderr
+    assert "deleted an earlier run's checkpoints, tensorboard, summary.json" in proc.stderr
+    assert [p.name for p in Checkpoint(run / "checkpoints").complete()] == ["step_00000001"]
+    assert len(read_scalars(run / "tensorboard")["train/loss"]) == 1  # the new run's events only
+    assert not (run / ".grpo_accel.lock").exists()
 
 
 def test_zero3_export_matches_the_single_process_model(tmp_path):

@@ -161,3 +161,20 @@ def test_bad_trainer_arguments_name_the_parameter(tokenizer, tiny_model, kwargs,
 def test_micro_batches_must_fill_accumulation(tokenizer, tiny_model):
     with pytest.raises(ValueError, match=r"2 micro-batches per epoch \(16 completions / batch_size=8\).*=4"):
         make_trainer(tokenizer, tiny_model, batch_size=8, gradient_accumulation_steps=4)
+
+
+def test_a_collector_split_for_another_process_count_is_refused(tokenizer, tiny_model):
+    from grpo_accel import GRPOLoss, GRPOTrainer
+    from grpo_accel.rewards import RewardSet, answer_match
+    from grpo_accel.rollout.collector import GRPOCollector
+    from grpo_accel.rollout.local import EmbeddedEngine, EmbeddedWeightSync
+    from grpo_accel.tasks.addition import addition_rows
+
+    engine = EmbeddedEngine(tiny_model, tokenizer, max_new_tokens=4)
+    rewards = RewardSet({"answer_match": answer_match})
+    collector = GRPOCollector(engine, tokenizer, addition_rows(4)[0], rewards, prompts_per_batch=4, group_size=2,
+                              rank=1, world_size=2)
+    with pytest.raises(ValueError, match=r"collector.world_size=2 is invalid: the accelerator runs 1 processes; "
+                                         r"build the collector with world_size=1"):
+        GRPOTrainer(collector=collector, total_frames=8, loss_module=GRPOLoss(tiny_model),
+                    optimizer=torch.optim.AdamW(tiny_model.parameters()), weight_sync_sender=EmbeddedWeightSync(engine))

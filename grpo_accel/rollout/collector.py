@@ -1,6 +1,7 @@
 """The collector: prompts from a dataset -> engine rollouts -> rewards -> group-relative advantages."""
 from __future__ import annotations
 
+import logging
 import random
 from typing import Callable, Iterator, Protocol
 
@@ -8,8 +9,11 @@ import torch
 from tensordict import TensorDict
 
 from grpo_accel import batch as K
+from grpo_accel.data import DataError, check_columns
 from grpo_accel.loss import group_advantages
 from grpo_accel.rewards import RewardSet
+
+logger = logging.getLogger(__name__)
 
 RESERVED_FIELDS = ("prompts", "completions", "completion_ids", "finish_reason")
 FINISH_NAMES = {code: name for name, code in K.FINISH_REASONS.items()}
@@ -35,6 +39,14 @@ def _split_tied_groups(td: TensorDict, group_size: int) -> tuple[list[TensorDict
     groups = [td[i : i + group_size] for i in range(0, td.shape[0], group_size)]
     tied = [bool((g[K.REWARD] == g[K.REWARD][0]).all()) for g in groups]
     return [g for g, t in zip(groups, tied) if not t], [g for g, t in zip(groups, tied) if t]
+
+
+def _check_split(prompts_per_batch: int, world_size: int) -> None:
+    if prompts_per_batch < world_size or prompts_per_batch % world_size:
+        raise ValueError(
+            f"rollout.prompts_per_step={prompts_per_batch} is not a multiple of the {world_size} processes; "
+            f"use a multiple of {world_size}."
+        )
 
 
 class RolloutEngine(Protocol):
@@ -96,14 +108,10 @@ class GRPOCollector:
                 f"rollout.group_size={group_size}: GRPO compares completions within a group, so a group needs "
                 "at least 2; set rollout.group_size to 2 or more (8-16 is common)."
             )
-        if prompts_per_batch < world_size or prompts_per_batch % world_size:
-            raise ValueError(
-                f"rollout.prompts_per_step={prompts_per_batch} is not a multiple of the {world_size} processes; "
-                f"use a multiple of {world_size}."
-            )
+        _check_split(prompts_per_batch, world_size)
         clash = [f for f in RESERVED_FIELDS if rows and f in rows[0]]
         if clash:
-            raise ValueError(f"dataset fields {clash} clash with reward-function arguments; rename those columns.")
+            raise DataError(f"dataset fields {clash} clash with reward-function arguments; rename those columns.")
         self.engine, self.tokenizer, self.rows, self.rewards = engine, tokenizer, rows, rewards
         self.prompts_per_batch, self.group_size = prompts_per_batch, group_size
         self.prompt_field, self.max_prompt_tokens = prompt_field, max_prompt_tokens
@@ -112,6 +120,15 @@ class GRPOCollector:
         self.dynamic_sampling, self.max_extra_rounds, self.sync_any = dynamic_sampling, max_extra_rounds, sync_any
         self.epoch, self.position, self.batches = 0, 0, 0
         self._order = self._shuffled(0)
+        check_columns(rows, rewards.required_columns())
+        self._prompt_ids = [self._tokenize(i) for i in range(len(rows))]  # every row checked before any batch
+        self._warn_unknown_tokens()
+
+    def shard(self, rank: int, world_size: int, sync_any: Callable[[bool], bool]) -> None:
+        """Collect process ``rank``'s share of each global batch from now on (the trainer calls this for a
+        collector built for one process when it runs under several)."""
+        _check_split(self.prompts_per_batch, world_size)
+        self.rank, self.world_size, self.sync_any = rank, world_size, sync_any
 
     @property
     def completions_per_batch(self) -> int:
@@ -138,14 +155,32 @@ class GRPOCollector:
             self.position += 1
         return out
 
-    def _encode(self, index: int) -> list[int]:
+    def _tokenize(self, index: int) -> list[int]:
         ids = self.tokenizer(self.rows[index][self.prompt_field])["input_ids"]
+        if not ids:
+            raise DataError(f"dataset row {index}: column {self.prompt_field!r} encodes to no tokens; check the "
+                            "tokenizer (model.name_or_path) or drop that row.")
         if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
-            raise ValueError(
-                f"dataset row {index}: prompt is {len(ids)} tokens, more than rollout.max_prompt_tokens="
-                f"{self.max_prompt_tokens}; raise rollout.max_prompt_tokens or drop/shorten that prompt."
+            raise DataError(
+                f"dataset row {index}: column {self.prompt_field!r} is {len(ids)} tokens, more than "
+                f"rollout.max_prompt_tokens={self.max_prompt_tokens}; raise rollout.max_prompt_tokens or drop/shorten "
+                "that prompt."
             )
         return ids
+
+    def _warn_unknown_tokens(self) -> None:
+        unk = getattr(self.tokenizer, "unk_token_id", None)
+        if unk is None:
+            return
+        rows = [i for i, ids in enumerate(self._prompt_ids) if unk in ids]
+        if rows:
+            logger.warning("%d of %d prompts hold text the tokenizer maps to its unknown token %r (first: row %d, %r); "
+                           "the model cannot read that text: use a tokenizer that covers it (model.name_or_path)",
+                           len(rows), len(self.rows), self.tokenizer.unk_token, rows[0],
+                           self.rows[rows[0]][self.prompt_field][:80])
+
+    def _encode(self, index: int) -> list[int]:
+        return self._prompt_ids[index]
 
     def collect(self) -> TensorDict:
         """One scored rollout TensorDict [completions_per_batch] (keys: grpo_accel.batch)."""

@@ -1,0 +1,126 @@
+"""One run per output folder: a lock that names its holder, and no fresh run on top of another run's outputs.
+
+A fresh run into a folder that held another run's checkpoints used to rotate them (and its own) out, overwrite
+same-named step folders, mix TensorBoard event files and be picked up by ``checkpoint.resume=auto``; workers
+orphaned by a killed launcher could keep writing into a folder a new run had started in.
+
+    lock = RunFolderLock(output_dir)   # raises RunFolderBusy while another live process holds it
+    lock.acquire(); ...; lock.release()
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+from grpo_accel.runtime import command_line
+
+logger = logging.getLogger(__name__)
+
+LOCK_FILE = ".grpo_accel.lock"
+# What a run writes into its folder; any of them from an earlier run makes a fresh run refuse the folder.
+RUN_OUTPUTS = ("checkpoints", "tensorboard", "summary.json")
+
+
+class RunFolderBusy(RuntimeError):
+    """Another live process holds the run folder's lock; the message names it."""
+
+
+def previous_run_outputs(folder: Path) -> list[str]:
+    """The outputs of an earlier run in ``folder`` (names from RUN_OUTPUTS that exist and are not empty)."""
+    found = []
+    for name in RUN_OUTPUTS:
+        path = Path(folder) / name
+        if path.is_file() or (path.is_dir() and any(path.iterdir())):
+            found.append(name)
+    return found
+
+
+def remove_run_outputs(folder: Path) -> list[str]:
+    """Delete an earlier run's outputs from ``folder`` (``overwrite=true``); returns what was removed."""
+    removed = previous_run_outputs(folder)
+    for name in removed:
+        path = Path(folder) / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return removed
+
+
+def _start_time(pid: int) -> str | None:
+    """The kernel's start time of ``pid`` (tells a live holder from a new process that reused its pid);
+    None when the process does not exist. "" where /proc is not available."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:  # exists, someone else's
+        pass
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+class RunFolderLock:
+    """``<folder>/.grpo_accel.lock``: host, pid, start time and command of the run writing the folder.
+
+    A lock whose process is gone (same host) is taken over with a warning; one held by a live process, or by
+    a process on another host (which cannot be checked from here), raises :class:`RunFolderBusy`.
+    """
+
+    def __init__(self, folder: str | Path) -> None:
+        self.path = Path(folder) / LOCK_FILE
+        self.held = False
+
+    def _me(self) -> dict:
+        pid = os.getpid()
+        return {"host": socket.gethostname(), "pid": pid, "start": _start_time(pid),
+                "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command_line(pid)}
+
+    def holder(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, json.JSONDecodeError):
+            return {}  # unreadable: treated as held by an unknown process
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):  # a stale lock is removed, then taken like a free one (another run may win the race)
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                self._clear_if_stale(self.holder())
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(self._me(), f)
+            self.held = True
+            return
+        raise RunFolderBusy(f"output_dir {str(self.path.parent)!r}: could not take its lock {self.path}.")
+
+    def _clear_if_stale(self, holder: dict | None) -> None:
+        if holder is None:
+            return  # released meanwhile
+        here = socket.gethostname()
+        if holder and holder.get("host") == here:
+            alive = _start_time(int(holder["pid"]))
+            if alive is None or (alive and holder.get("start") and alive != holder["start"]):
+                logger.warning("output_dir %s: taking over the lock of pid %s (%s), which is gone", self.path.parent,
+                               holder["pid"], holder.get("command", "?"))
+                self.path.unlink(missing_ok=True)
+                return
+        who = (f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')} "
+               f"({holder.get('command', '?')})" if holder else "an unknown process (unreadable lock)")
+        elsewhere = "" if holder.get("host", here) == here else " (another host: if that run has ended, delete the lock file)"
+        raise RunFolderBusy(f"output_dir {str(self.path.parent)!r} is in use by {who}{elsewhere}. Two runs writing one "
+                            f"folder would overwrite each other's checkpoints: wait for it or stop it, or use another "
+                            f"output_dir. Lock: {self.path}.")
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False

@@ -1,0 +1,49 @@
+"""The Python API end to end: the built-in tiny model learns the built-in addition task.
+
+    python launch/api_example.py                                                  # one process
+    accelerate launch --config_file accelerate_configs/ddp.yaml launch/api_example.py   # or any config
+
+Built for one process, the collector is split by the trainer under several: each process generates and trains
+on its own share of every batch of prompts (16 prompts x 8 completions here, 128 frames per batch in all).
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import torch
+
+from grpo_accel import GRPOLoss, GRPOTrainer
+from grpo_accel.rewards import RewardSet, answer_match, format_match
+from grpo_accel.rollout.collector import GRPOCollector
+from grpo_accel.rollout.local import EmbeddedEngine, EmbeddedWeightSync
+from grpo_accel.runtime import configure_threads, exit_skipping_teardown
+from grpo_accel.tasks.addition import addition_rows
+from grpo_accel.tasks.tiny import build_char_tokenizer, build_tiny_model
+
+
+def main(total_frames: int = 1280) -> GRPOTrainer:
+    configure_threads()
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tokenizer, seed=0)
+    engine = EmbeddedEngine(model, tokenizer, max_new_tokens=4)
+    rewards = RewardSet({"answer": answer_match, "format": format_match}, {"format": 0.2})
+    rows, _ = addition_rows(max_operand=4)
+    collector = GRPOCollector(engine, tokenizer, rows, rewards, prompts_per_batch=16, group_size=8)
+    trainer = GRPOTrainer(collector=collector, total_frames=total_frames, loss_module=GRPOLoss(model),
+                          optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4),
+                          weight_sync_sender=EmbeddedWeightSync(engine), seed=0)
+    trainer.train()
+    return trainer
+
+
+if __name__ == "__main__":
+    frames = int(sys.argv[1]) if len(sys.argv) > 1 else 1280
+    trainer = main(frames)
+    acc, collector = trainer.accelerator, trainer.collector
+    print(f"process {acc.process_index} of {acc.num_processes}: share {collector.rank} of {collector.world_size} of "
+          f"each batch, {trainer.frames} frames in all, mean reward {trainer.history[-1]['train/reward_mean']:.3f}",
+          flush=True)
+    acc.wait_for_everyone()
+    acc.end_training()
+    exit_skipping_teardown(0)  # gloo's teardown aborts now and then after the work is done
