@@ -158,3 +158,37 @@ def test_zero3_export_matches_the_single_process_model(tmp_path):
     ids = torch.tensor([[7, 14, 8, 17, 9]])
     with torch.no_grad():
         torch.testing.assert_close(exported[1](ids).logits, exported[0](ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_ctrl_c_saves_and_ends_with_the_resume_line(tmp_path):
+    """Ctrl-C in a terminal signals the whole foreground group (launcher and trainer): the trainer saves and its
+    last line says how to go on. (Accelerate's launcher, signalled too, may still add its own KeyboardInterrupt
+    traceback: that process is not ours.)"""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from launching import ACCELERATE, ROOT
+
+    run = tmp_path / "run"
+    cmd = [*ACCELERATE, "--config_file", str(ROOT / "accelerate_configs" / "single_process.yaml"),
+           str(ROOT / "launch" / "train.py"), f"output_dir={run}", "trainer.progress_bar=false"]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                          cwd=ROOT) as proc:
+        deadline = time.monotonic() + 120
+        while not (run / "tensorboard").is_dir() and time.monotonic() < deadline:  # training has started
+            time.sleep(0.5)
+        time.sleep(2)
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    last = Checkpoint(run / "checkpoints").complete()[-1]
+    frames = json.loads((last / "metadata.json").read_text())["frames"]
+    ours = [line for line in err.splitlines() if " grpo_accel." in line]
+    assert ours[-1].endswith(f"stopped (received SIGINT) after {frames} frames, saved in {last}; to continue, run "
+                             "the same command with checkpoint.resume=auto"), err[-3000:]
+    assert 'launch/train.py", line' not in err  # no traceback from the trainer
