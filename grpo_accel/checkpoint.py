@@ -258,9 +258,9 @@ class RunCheckpointer:
 
         import torch
 
-        start = time.perf_counter()
         from grpo_accel.distributed import any_process
 
+        start = time.perf_counter()
         acc, staging = self.accelerator, self.checkpoint.staging_dir(step)
         if acc.is_main_process and staging.exists():
             shutil.rmtree(staging)
@@ -294,7 +294,8 @@ class RunCheckpointer:
         directory = self.checkpoint.directory
         kept = self.checkpoint.complete()
         needed = sum(file_manifest(kept[-1]).values()) if kept else None
-        free = shutil.disk_usage(directory).free
+        existing = next(p for p in (directory, *directory.parents) if p.exists())  # the save may have made none
+        free = shutil.disk_usage(existing).free
         if exc is None:
             why = "another process failed to write its part"
         elif _no_space(exc) or (needed is not None and free < needed):

@@ -55,8 +55,11 @@ def build_trainer(cfg: GRPOConfig):
                     "completions)", t.total_frames, rounded, r.prompts_per_step, r.group_size, per_step)
         t.total_frames = rounded
     c = cfg.checkpoint
-    checkpoint = run_checkpoint(cfg)
-    if (resume := checkpoint.resume_path()) is not None:
+    checkpoint = Checkpoint(Path(cfg.output_dir) / "checkpoints", resume=c.resume)
+    resume = checkpoint.resume_path()
+    if resume is None:
+        refuse_earlier_run(cfg)
+    else:
         conflicts = resume_conflicts(Checkpoint.read_metadata(resume)["user"]["config"], to_dict(cfg))
         if conflicts:
             raise ConfigError(f"checkpoint {resume} was trained with other settings: {conflicts}; resume with the "
@@ -116,17 +119,15 @@ def build_trainer(cfg: GRPOConfig):
     return trainer
 
 
-def run_checkpoint(cfg: GRPOConfig):
-    """The run's checkpoint folder; a fresh run refuses output_dir if an earlier run's outputs are there (every
-    process checks), unless ``overwrite=true`` (the first process deletes them)."""
-    from grpo_accel.checkpoint import Checkpoint
+def refuse_earlier_run(cfg: GRPOConfig) -> None:
+    """A fresh run refuses output_dir if an earlier run's outputs are there (every process checks), unless
+    ``overwrite=true`` (the first process deletes them)."""
     from grpo_accel.config import ConfigError
     from grpo_accel.run_folder import previous_run_outputs, remove_run_outputs
 
     out = Path(cfg.output_dir)
-    checkpoint = Checkpoint(out / "checkpoints", resume=cfg.checkpoint.resume)
-    if checkpoint.resume_path() is not None or not (found := previous_run_outputs(out)):
-        return checkpoint
+    if not (found := previous_run_outputs(out)):
+        return
     if not cfg.overwrite:
         raise ConfigError(
             f"output_dir={str(out)!r} holds an earlier run's {', '.join(found)} and this run starts fresh "
@@ -134,7 +135,6 @@ def run_checkpoint(cfg: GRPOConfig):
             "needs another output_dir, or overwrite=true to delete them first.")
     if first_process():
         log.warning("overwrite=true: deleted an earlier run's %s in %s", ", ".join(remove_run_outputs(out)), out)
-    return checkpoint
 
 
 def first_process() -> bool:
@@ -284,10 +284,10 @@ def run(cfg: GRPOConfig, start: float) -> int:
         summary = summarize(trainer, time.perf_counter() - start)
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         log.info("summary: %s", json.dumps(summary))
-        if trainer._stop_reason is not None and trainer.checkpoint is not None and trainer.checkpoint.complete():
+        saved = trainer.checkpoint.complete() if trainer.checkpoint is not None else []
+        if trainer._stop_reason is not None and saved:
             log.warning("stopped (%s) after %d frames, saved in %s; to continue, run the same command with "
-                        "checkpoint.resume=auto", trainer._stop_reason, trainer.frames,
-                        trainer.checkpoint.complete()[-1])
+                        "checkpoint.resume=auto", trainer._stop_reason, trainer.frames, saved[-1])
     trainer.accelerator.end_training()
     return 0
 
@@ -321,15 +321,17 @@ def main_reporting_errors(argv: list[str] | None = None) -> int:
     except user_errors() as err:
         import torch.distributed as dist
 
-        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        from grpo_accel.distributed import launch_world_size
+
+        world = launch_world_size()
         grouped = dist.is_available() and dist.is_initialized() and world > 1
-        line = f"error (rank {rank} of {world}): {err}" if grouped else f"error: {err}"
-        if rank == 0 or grouped:
+        line = f"error (rank {os.environ.get('RANK', '0')} of {world}): {err}" if grouped else f"error: {err}"
+        if first_process() or grouped:
             logging.shutdown()  # pending log lines first: this one stays last
             print(line, file=sys.stderr, flush=True)
         if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
             Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
-        if not grouped and rank != 0:
+        if not grouped and not first_process():
             time.sleep(3)  # rank 0 fails first and says it: the launcher stops the others at the first failure
         return 2
 
