@@ -148,9 +148,10 @@ def run(args) -> dict | None:
     tokens = {"generated": [], "trained": []}
     for step in range(args.warmup + args.steps):
         indices = collector._next_indices()[: args.prompts]
-        prompts = [collector._encode(i) for i in indices]
+        prompts = [collector.prompts.ids[i] for i in indices]
         td, t_gen = timed(lambda: engine.generate(prompts, args.group, seeds=list(range(len(prompts)))))
-        scores, t_rew = timed(lambda: score_rollout(td, [rows[i] for i in indices], args.group, tokenizer, rewards))
+        scores, t_rew = timed(lambda: score_rollout(td, [rows[i] for i in indices], collector.prompts.take(indices),
+                                                       args.group, tokenizer, rewards))
         td.update(scores)
         td[K.ADVANTAGES] = torch.randn(td.shape[0])
         td = td.to(device)

@@ -58,17 +58,33 @@ def _looks_like_a_path(name: str) -> bool:
 
 
 def build_rows(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
-    """(training rows, held-out rows), validated; the built-in addition task when ``path`` is None."""
+    """(training rows, held-out rows), validated; a built-in task when ``path`` is None."""
     if cfg.path is None:
-        from grpo_accel.tasks.addition import addition_rows
-
-        train, held_out = addition_rows(cfg.max_operand, cfg.holdout)
-        train = validate_rows(train, "prompt", "built-in addition task")
+        train, held_out = _builtin_task(cfg)
+        train = validate_rows(train, "prompt", f"built-in {cfg.task} task")
     else:
-        train, held_out = validate_rows(load_rows(cfg.path), cfg.prompt_field, f"data.path={cfg.path!r}"), []
-    if cfg.eval_path is not None:
-        held_out = validate_rows(load_rows(cfg.eval_path), cfg.prompt_field, f"data.eval_path={cfg.eval_path!r}")
+        train = load_rows(cfg.path, name=cfg.name, split=cfg.split, rename=cfg.rename_columns)
+        train, held_out = validate_rows(train, cfg.prompt_field, f"data.path={cfg.path!r}"), []
+    if cfg.eval_path is not None or cfg.eval_split is not None:
+        path, key = (cfg.eval_path, "data.eval_path") if cfg.eval_path is not None else (cfg.path, "data.path")
+        if path is None:
+            raise ConfigError(f"data.eval_split={cfg.eval_split!r}: the built-in task has no splits; set data.holdout.")
+        held_out = load_rows(path, name=cfg.name, split=cfg.eval_split or "train", rename=cfg.rename_columns, key=key)
+        held_out = validate_rows(held_out, cfg.prompt_field, f"{key}={path!r} (split {cfg.eval_split or 'train'!r})")
     return train, held_out
+
+
+def _builtin_task(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
+    if cfg.task == "chat_arithmetic":
+        from grpo_accel.tasks.chat_arithmetic import chat_arithmetic_rows
+
+        try:
+            return chat_arithmetic_rows(cfg.max_operand, cfg.holdout)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+    from grpo_accel.tasks.addition import addition_rows
+
+    return addition_rows(cfg.max_operand, cfg.holdout)
 
 
 def resolve_reward(name: str):

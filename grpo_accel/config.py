@@ -60,20 +60,39 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     path: str | None = None
-    """JSONL or Parquet file of prompt rows; None uses the built-in addition task."""
+    """Prompt rows: a JSONL/Parquet file, a folder written by datasets' save_to_disk, or a Hugging Face dataset id;
+    None uses the built-in task."""
+    name: str | None = None
+    """Hub datasets: the configuration name (load_dataset's second argument)."""
+    split: str = "train"
+    """Split to train on (hub datasets and saved folders holding several splits)."""
+    rename_columns: dict = field(default_factory=dict)
+    """Dataset column -> name used here, e.g. {question: prompt} (applied to training and held-out rows)."""
     prompt_field: str = "prompt"
-    """Column holding the prompt text; every other column is passed to the reward functions."""
+    """Column holding the prompt: a string, or a list of chat messages [{role, content}] for the chat template;
+    every other column is passed to the reward functions."""
+    system_prompt: str | None = None
+    """Prepended as a system message to every chat-formatted prompt that has none."""
     eval_path: str | None = None
-    """JSONL or Parquet file of held-out rows for evaluation (the built-in task uses holdout instead)."""
+    """Held-out rows for evaluation, in any form data.path takes (the built-in task uses holdout instead)."""
+    eval_split: str | None = None
+    """Split of the held-out rows: of eval_path if set, else of path (e.g. test)."""
+    task: str = "addition"
+    """Built-in task when path is None: addition ("3+4=", for the tiny model) or chat_arithmetic (two-digit sums
+    and differences asked as chat messages, for a pretrained chat model)."""
     max_operand: int = 4
-    """Built-in task only: operands are 0..max_operand."""
+    """Built-in task only: operands are 0..max_operand (addition) or 10..max_operand (chat_arithmetic)."""
     holdout: int = 0
-    """Built-in task only: number of (a, b) pairs kept out of training for evaluation."""
+    """Built-in task only: rows kept out of training for evaluation."""
 
     def __post_init__(self) -> None:
+        _choice("data.task", self.task, ("addition", "chat_arithmetic"))
         _check(self.max_operand >= 1, "data.max_operand", self.max_operand, "must be >= 1.")
-        _check(0 <= self.holdout < (self.max_operand + 1) ** 2, "data.holdout", self.holdout,
-               f"must leave training rows: use 0..{(self.max_operand + 1) ** 2 - 1}.")
+        if self.task == "addition":
+            _check(0 <= self.holdout < (self.max_operand + 1) ** 2, "data.holdout", self.holdout,
+                   f"must leave training rows: use 0..{(self.max_operand + 1) ** 2 - 1}.")
+        _check(all(isinstance(k, str) and isinstance(v, str) for k, v in self.rename_columns.items()),
+               "data.rename_columns", self.rename_columns, "map column names to column names, e.g. {question: prompt}.")
 
 
 @dataclass
@@ -96,7 +115,7 @@ class RolloutConfig:
     max_new_tokens: int = 4
     """Completion budget in tokens; longer completions finish with reason "length"."""
     max_prompt_tokens: int = 64
-    """A longer prompt is an error that names its dataset row."""
+    """A longer prompt (after the chat template) is an error that names its dataset row."""
     temperature: float = 1.0
     """Sampling temperature; the loss divides logits by the same value."""
     top_p: float = 1.0
@@ -218,11 +237,14 @@ class GRPOTrainerConfig:
     """Log wall time of each phase under time/."""
     log_rewards: bool = True
     log_kl: bool = True
+    log_samples: int = 3
+    """Completions written to TensorBoard as text at each log (prompt, completion, rewards); 0: none."""
 
     def __post_init__(self) -> None:
         for key in ("total_frames", "num_epochs", "gradient_accumulation_steps", "log_interval",
                     "weight_update_frequency"):
             _check(getattr(self, key) >= 1, f"trainer.{key}", getattr(self, key), "must be >= 1.")
+        _check(self.log_samples >= 0, "trainer.log_samples", self.log_samples, "must be >= 0 (0: none).")
         _check(self.micro_batch_completions == "auto" or self.micro_batch_completions >= 1,
                "trainer.micro_batch_completions", self.micro_batch_completions, "must be >= 1 or auto.")
         _choice("trainer.mixed_precision", self.mixed_precision, ("no", "bf16", "fp16"))

@@ -5,6 +5,7 @@ stage run in registration order; the trainer's own behaviour is registered the s
 
 | stage            | when                                                | arguments          | may                                   |
 |------------------|-----------------------------------------------------|--------------------|---------------------------------------|
+| pre_train        | once, when ``train()`` starts (after a resume)      | -                  | evaluate the untrained model          |
 | post_collect     | a batch was collected and scored                    | rollout            | return a replacement rollout for the next hook; an empty one skips optimisation (``drop_stale``, ``store_rollout``) |
 | pre_optim        | before the optimisation loop of a batch             | -                  | change trainer state                  |
 | post_optim_step  | after each optimizer step                           | stats (dict)       | add entries to stats (async ``update_weights``) |
@@ -20,7 +21,7 @@ import time
 from collections import defaultdict
 from typing import Any, Callable
 
-STAGES = ("post_collect", "pre_optim", "post_optim_step", "post_optim", "log", "post_iteration")
+STAGES = ("pre_train", "post_collect", "pre_optim", "post_optim_step", "post_optim", "log", "post_iteration")
 
 
 class HookError(RuntimeError):

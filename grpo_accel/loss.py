@@ -161,6 +161,15 @@ def effective_sample_size(log_w: Tensor, mask: Tensor) -> Tensor:  # [N, T] -> [
     return (2 * lw.logsumexp(0) - (2 * lw).logsumexp(0)).exp() / lw.numel()
 
 
+def engine_mismatch(trainer_logp: Tensor, engine_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:  # [N, T] -> {}
+    """How far the engine's logprobs of the sampled tokens are from the trainer's for the same weights: the mean
+    absolute difference and the largest per-token probability ratio either way, exp(max |difference|)."""
+    gap = (trainer_logp.detach().float() - engine_logp.float()).abs()[mask.bool()]
+    if gap.numel() == 0:
+        gap = gap.new_zeros(1)
+    return {"engine_logprob_abs_diff": gap.mean(), "engine_prob_ratio_max": gap.max().exp()}
+
+
 # ------------------------------------------------------------------------------------------------ module
 
 
@@ -310,6 +319,8 @@ class GRPOLoss(nn.Module):
             out["loss_kl"] = self.kl_coef * aggregate(kl, mask) / normalizer
             out["kl_ref"] = _masked_mean(kl.detach(), mask)
         out.update(self._diagnostics(log_ratio.detach(), old_logp, logp.detach(), entropy, is_clipped, mask))
+        if K.ENGINE_LOGPROBS in td.keys():  # sync: pi_old is the trainer's view of the weights that sampled
+            out.update(engine_mismatch(old_logp, td[K.ENGINE_LOGPROBS], mask))
         return TensorDict(out, batch_size=[])
 
     @staticmethod

@@ -17,7 +17,8 @@ def mean_over_processes(accelerator, stats: dict[str, float]) -> dict[str, float
 
 
 def rollout_scalars(accelerator, rollout: TensorDict, with_rewards: bool = True) -> dict[str, float]:
-    """Reward (total and per function), completion length, truncation and weight version over all processes."""
+    """Reward (total and per function), completion length, truncation, weight version and the collector's
+    ``stats`` (time_<phase> seconds -> time/<phase>) over all processes."""
     keys = [K.REWARD] + [(K.REWARDS, name) for name in rollout[K.REWARDS].keys()]
     # e.g. dynamic sampling's "stats": one value per row, averaged
     stats = list(rollout["stats"].keys()) if "stats" in rollout.keys() else []
@@ -33,11 +34,32 @@ def rollout_scalars(accelerator, rollout: TensorDict, with_rewards: bool = True)
         "train/truncated_fraction": float(every[:, n + 1].mean()),
         "train/weight_version_mean": float(every[:, n + 2].mean()),
     }
-    for j, name in enumerate(stats, start=n + 3):
-        out[f"train/{name}"] = float(every[:, j].mean())
+    for j, name in enumerate(stats, start=n + 3):  # the collector's seconds per phase go under time/
+        out[f"time/{name[5:]}" if name.startswith("time_") else f"train/{name}"] = float(every[:, j].mean())
     if with_rewards:
         out["train/reward_mean"], out["train/reward_std"] = float(every[:, 0].mean()), float(every[:, 0].std())
         for j, key in enumerate(keys[1:], start=1):
             out[f"train/reward/{key[1]}_mean"] = float(every[:, j].mean())
             out[f"train/reward/{key[1]}_std"] = float(every[:, j].std())
     return out
+
+
+def completion_samples(rollout: TensorDict, tokenizer, n: int) -> str:
+    """``n`` rows of ``rollout`` from different groups as Markdown: reward, each reward function's value, the
+    prompt as the model read it (special tokens shown) and the completion as the reward functions read it."""
+    rows = range(0, rollout.shape[0], max(1, rollout.shape[0] // n))[:n]
+    names = list(rollout[K.REWARDS].keys())
+    parts = []
+    for i in rows:
+        prompt = tokenizer.decode(rollout[K.PROMPT_IDS][i][rollout[K.PROMPT_MASK][i].bool()])
+        completion = tokenizer.decode(rollout[K.COMPLETION_IDS][i][rollout[K.COMPLETION_MASK][i].bool()],
+                                      skip_special_tokens=True)
+        terms = ", ".join(f"{name} {float(rollout[K.REWARDS, name][i]):.3g}" for name in names)
+        parts.append(f"**reward {float(rollout[K.REWARD][i]):.3g}** ({terms})\n\nprompt:\n\n{_code(prompt)}\n\n"
+                     f"completion:\n\n{_code(completion)}")
+    return "\n\n---\n\n".join(parts)
+
+
+def _code(text: str) -> str:
+    """An indented Markdown code block: line breaks and markup in model text stay as they are."""
+    return "\n".join("    " + line for line in (text or "(empty)").splitlines() or [""])

@@ -2,10 +2,12 @@
 
 A reward function is any callable ``fn(prompts, completions, **fields) -> list[float]``:
 
-- ``prompts``: list[str], one per completion (a prompt repeated G times for its group);
+- ``prompts``: list[str], one per completion (a prompt repeated G times for its group): the text the model
+  read, i.e. a chat-formatted row's messages after the chat template;
 - ``completions``: list[str], decoded completion texts (special tokens skipped, as SGLang returns them);
-- ``fields``: ``completion_ids`` (list[list[int]]), ``finish_reason`` (list[str]) and every extra column of
-  the dataset row (e.g. ``answer``), each a list aligned with ``completions``.
+- ``fields``: ``completion_ids`` (list[list[int]]), ``finish_reason`` (list[str]), ``prompt_messages`` (the
+  row's chat messages with the system prompt, as TRL passes conversational prompts; None for a string prompt)
+  and every extra column of the dataset row (e.g. ``answer``), each a list aligned with ``completions``.
 
 It returns one float per completion. Accept ``**fields`` so that new fields never break it.
 """
@@ -14,12 +16,14 @@ from __future__ import annotations
 import inspect
 import math
 import re
+import threading
 from typing import Callable, Mapping, Sequence
 
 import torch
 from tensordict import TensorDict
 
 RewardFn = Callable[..., Sequence[float]]
+PROVIDED_FIELDS = ("completion_ids", "finish_reason", "prompt_messages")  # besides the dataset's columns
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -41,7 +45,67 @@ def format_match(prompts: list[str], completions: list[str], pattern: str = r"-?
     return [float(r == "stop" and regex.fullmatch(c.strip()) is not None) for c, r in zip(completions, reasons)]
 
 
-BUILTIN_REWARDS: dict[str, RewardFn] = {"answer_match": answer_match, "format_match": format_match}
+def math_answer(prompts: list[str], completions: list[str], answer: list, strict: bool = False,
+                **fields) -> list[float]:
+    """1.0 when the completion's final answer (:func:`final_answer`) equals the row's ``answer`` (numerically,
+    or by HF math-verify's symbolic check for other answers when it is installed), else 0.0. ``strict``: only
+    answers written as such count (no fallback to the last number)."""
+    out = []
+    for text, expected in zip(completions, answer):
+        found = final_answer(text, last_number=not strict)
+        out.append(float(found is not None and same_answer(found, expected)))
+    return out
+
+
+_ANSWER_MARKERS = tuple(re.compile(p, re.IGNORECASE) for p in (
+    r"####\s*([^\n]+)", r"answer is\s*:?\s*([^\n]+)", r"answer\s*:\s*([^\n]+)", r"=\s*([^=\n]+)"))
+
+
+def final_answer(text: str, last_number: bool = True) -> str | None:
+    """The answer a completion states, as people write it, by priority: the last ``\\boxed{...}``, the rest of
+    the line after the last "####", "answer is", "answer:" or "=" (trailing "." removed); failing those, the
+    last number if ``last_number``; else None."""
+    if (boxed := _last_boxed(text)) is not None:
+        return boxed
+    for marker in _ANSWER_MARKERS:
+        if found := marker.findall(text):
+            return found[-1].strip().rstrip(".").strip()
+    numbers = _NUMBER.findall(text.replace(",", ""))
+    return numbers[-1] if numbers and last_number else None
+
+
+def _last_boxed(text: str) -> str | None:
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j].strip()
+    return None  # unclosed: no answer
+
+
+def same_answer(found: str, expected) -> bool:
+    """Whether a stated answer equals the expected one: when ``expected`` is a number, the first number in
+    ``found`` equal to it ("85 apples", "1,234" = 1234) is enough; otherwise (and for a number stated another way,
+    ``\\frac{1}{2}`` = 0.5) HF math-verify decides when it is installed, else whitespace-normalised text."""
+    gold = str(expected).strip()
+    number = _NUMBER.search(found.replace(",", ""))
+    if _NUMBER.fullmatch(gold.replace(",", "")) and number and float(number.group()) == float(gold.replace(",", "")):
+        return True
+    try:
+        from math_verify import parse, verify  # lazy and optional: pip install 'grpo_accel[math]'
+    except ImportError:
+        return " ".join(found.split()) == " ".join(gold.split())
+    # Its timeouts use SIGALRM, which only the main thread may set (async collection scores in a thread).
+    limit = 5 if threading.current_thread() is threading.main_thread() else None
+    return verify(parse(f"${gold}$", parsing_timeout=limit), parse(f"${found}$", parsing_timeout=limit),
+                  timeout_seconds=limit)
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {"answer_match": answer_match, "format_match": format_match,
+                                        "math_answer": math_answer}
 
 
 class RewardError(RuntimeError):
@@ -75,7 +139,7 @@ class RewardSet:
     def names(self) -> list[str]:
         return list(self.fns)
 
-    def required_columns(self, provided: Sequence[str] = ("completion_ids", "finish_reason")) -> dict[str, list[str]]:
+    def required_columns(self, provided: Sequence[str] = PROVIDED_FIELDS) -> dict[str, list[str]]:
         """name -> the arguments each function requires beyond prompts, completions and ``provided``: dataset
         columns it will be called with (e.g. answer_match -> ["answer"])."""
         needed = {}

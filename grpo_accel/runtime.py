@@ -24,12 +24,19 @@ def available_cores() -> int:
 def configure_threads() -> int:
     """Give each local process cores / local processes torch threads (oversubscription is 10-20x slower).
 
-    An explicit ``OMP_NUM_THREADS`` wins. Returns the thread count set.
+    ``GRPO_ACCEL_THREADS`` wins, then an ``OMP_NUM_THREADS`` the user set. ``accelerate launch`` sets
+    OMP_NUM_THREADS=1 in every process by itself when the config does not say ``use_cpu``
+    (``accelerate/commands/launch.py``, ``_validate_launch_command``), which left a one-process CPU run on one
+    core: under accelerate launch a 1 is taken as its default, not as a choice. Returns the thread count set.
     """
     import torch
 
-    if os.environ.get("OMP_NUM_THREADS"):
-        threads = int(os.environ["OMP_NUM_THREADS"])
+    omp = os.environ.get("OMP_NUM_THREADS")
+    accelerate_default = omp == "1" and "ACCELERATE_DYNAMO_BACKEND" in os.environ  # set by accelerate launch
+    if os.environ.get("GRPO_ACCEL_THREADS"):
+        threads = int(os.environ["GRPO_ACCEL_THREADS"])
+    elif omp and not accelerate_default:
+        threads = int(omp)
     else:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("ACCELERATE_NUM_PROCESSES", "1")) or 1)
         threads = max(1, available_cores() // max(1, local))

@@ -10,6 +10,7 @@ class TensorBoardLogger:
     Example:
         >>> logger = TensorBoardLogger("runs/exp1/tensorboard")
         >>> logger.log_scalar("train/reward_mean", 0.5, step=3)
+        >>> logger.log_text("samples", "**reward 1.0** ...", step=3)
     """
 
     def __init__(self, log_dir: str | Path) -> None:
@@ -31,6 +32,10 @@ class TensorBoardLogger:
     def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
         self._open().add_scalar(name, float(value), global_step=step)
 
+    def log_text(self, name: str, text: str, step: int | None = None) -> None:
+        """Markdown text (TensorBoard's Text tab), e.g. completion samples."""
+        self._open().add_text(name, text, global_step=step)
+
     def flush(self) -> None:
         if self._writer is not None:
             self._writer.flush()
@@ -47,3 +52,13 @@ def read_scalars(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def read_texts(log_dir: str | Path) -> dict[str, list[tuple[int, str]]]:
+    """Every text tag in the event files under ``log_dir``: tag -> [(step, text), ...] in step order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})
+    acc.Reload()
+    return {tag.removesuffix("/text_summary"): [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(tag)]
+            for tag in acc.Tags()["tensors"] if tag.endswith("/text_summary")}

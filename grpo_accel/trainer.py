@@ -31,7 +31,7 @@ from grpo_accel.checkpoint import (Checkpoint, CheckpointError, RunCheckpointer,
 from grpo_accel.distributed import any_process, configure_deepspeed_for, full_shape, zero_stage
 from grpo_accel.hooks import Hooks
 from grpo_accel.loss import distributed_normalizer
-from grpo_accel.metrics import mean_over_processes, rollout_scalars
+from grpo_accel.metrics import completion_samples, mean_over_processes, rollout_scalars
 from grpo_accel.runtime import make_accelerator, stop_on_signals
 from grpo_accel.stepper import MixedPrecisionOptimizationStepper
 
@@ -91,6 +91,7 @@ class GRPOTrainer:
         *,
         accelerator=None,
         max_staleness: int | None = 1,
+        log_samples: int = 3,
     ) -> None:
         _require(loss_module is not None, "loss_module", loss_module, "pass a GRPOLoss (or a module returning loss_* keys)")
         _require((optimizer is None) != (optimization_stepper is None), "optimizer", optimizer,
@@ -104,6 +105,7 @@ class GRPOTrainer:
         _require(weight_update_frequency >= 1, "weight_update_frequency", weight_update_frequency, "optimizer steps, >= 1")
         _require(log_interval >= 1, "log_interval", log_interval, "frames between logs, >= 1")
         _require(max_staleness is None or max_staleness >= 0, "max_staleness", max_staleness, "use None or >= 0")
+        _require(log_samples >= 0, "log_samples", log_samples, "completions written as text per log, >= 0")
         _require(save_trainer_interval is None or save_trainer_interval >= 1, "save_trainer_interval",
                  save_trainer_interval, "frames between saves: None (only at the end) or >= 1")
         _require(save_trainer_interval is None or checkpoint is not None or save_trainer_file is not None,
@@ -141,7 +143,7 @@ class GRPOTrainer:
             self._check_accumulation(collector.completions_per_batch)
         self.logger, self.log_interval, self.progress_bar = logger, log_interval, progress_bar
         self.log_timings, self.auto_log_optim_steps = log_timings, auto_log_optim_steps
-        self.log_rewards, self.log_kl = log_rewards, log_kl
+        self.log_rewards, self.log_kl, self.log_samples = log_rewards, log_kl, log_samples
         self.async_collection, self.max_staleness = async_collection, max_staleness
         self.stepper = optimization_stepper or MixedPrecisionOptimizationStepper(
             optimizer, clip_norm, mixed_precision, autocast_dtype)
@@ -186,6 +188,7 @@ class GRPOTrainer:
             self._resume(path)
             if hasattr(self.weight_sync_sender, "push"):  # the engine's weights are unknown to a new process
                 self.weight_sync_sender.push(self.weight_version)
+        self.hooks.run("pre_train", self)
         bar = self._progress()
         source = self.collector
         if self.async_collection:
@@ -485,7 +488,7 @@ class GRPOTrainer:
             self._timings.clear()
             return
         self._last_log_frames = self.frames
-        scalars = {"train/frames": float(self.frames)}
+        scalars = {"train/frames": float(self.frames), "train/lr": float(self.optimizer.param_groups[0]["lr"])}
         if self.auto_log_optim_steps:
             scalars["train/optim_steps"] = float(self.optim_steps)
         if self.async_collection:
@@ -502,6 +505,14 @@ class GRPOTrainer:
         self.hooks.seconds.clear()
         self.history.append(scalars)
         self.log_scalars(scalars)
+        self._log_samples(rollout)
+
+    def _log_samples(self, rollout: TensorDict) -> None:
+        """A few of this batch's completions as text (main process's rows), when a logger takes text."""
+        tokenizer = getattr(self.collector, "tokenizer", None)
+        if (self.log_samples and tokenizer is not None and hasattr(self.logger, "log_text")
+                and self.accelerator.is_main_process and rollout.numel()):
+            self.logger.log_text("samples", completion_samples(rollout, tokenizer, self.log_samples), self.iterations)
 
 
 def _require(ok: bool, name: str, value, fix: str) -> None:

@@ -67,7 +67,7 @@ def build_trainer(cfg: GRPOConfig):
     rows, held_out = build_rows(cfg.data)
     if cfg.eval.every_iterations and not held_out:
         raise ConfigError(f"eval.every_iterations={cfg.eval.every_iterations}: there are no held-out rows; set "
-                          "data.holdout (built-in task) or data.eval_path, or eval.every_iterations=0.")
+                          "data.holdout (built-in task), data.eval_path or data.eval_split, or eval.every_iterations=0.")
     # Models are built before the Accelerator: under ZeRO-3 that keeps zero.Init out, so every stage starts
     # from the same weights (DeepSpeed partitions them in prepare()).
     tokenizer, model = build_tokenizer_and_model(cfg.model, seed=t.seed)
@@ -84,6 +84,7 @@ def build_trainer(cfg: GRPOConfig):
     collector = GRPOCollector(  # the trainer gives it this process's share of each batch
         engine, tokenizer, rows, rewards, prompts_per_batch=r.prompts_per_step,
         group_size=r.group_size, prompt_field=cfg.data.prompt_field, max_prompt_tokens=r.max_prompt_tokens,
+        system_prompt=cfg.data.system_prompt,
         scale_advantages=lc.scale_advantages, leave_one_out=lc.leave_one_out, seed=t.seed,
         dynamic_sampling=r.dynamic_sampling, max_extra_rounds=r.max_extra_rounds,
     )
@@ -107,14 +108,16 @@ def build_trainer(cfg: GRPOConfig):
         autocast_dtype=torch.float16 if t.mixed_precision == "fp16" else torch.bfloat16,
         logger=logger, clip_norm=o.clip_norm, progress_bar=t.progress_bar, seed=t.seed,
         log_interval=t.log_interval, num_epochs=t.num_epochs, log_timings=t.log_timings,
-        log_rewards=t.log_rewards, log_kl=t.log_kl, accelerator=accelerator,
+        log_rewards=t.log_rewards, log_kl=t.log_kl, log_samples=t.log_samples, accelerator=accelerator,
         checkpoint=checkpoint, save_trainer_interval=c.interval_frames, save_trainer_file=c.legacy_file,
         checkpoint_rotation=CheckpointRotation(c.keep_last, c.keep_best, c.best_metric, c.best_mode),
         checkpoint_metadata=lambda: {"config": to_dict(cfg)},
     )
     if cfg.eval.every_iterations:
         evaluator = Evaluator(engine, tokenizer, held_out, rewards, every=cfg.eval.every_iterations, k=cfg.eval.k,
-                              prompt_field=cfg.data.prompt_field, success_threshold=cfg.eval.success_threshold)
+                              prompt_field=cfg.data.prompt_field, system_prompt=cfg.data.system_prompt,
+                              success_threshold=cfg.eval.success_threshold)
+        trainer.register_op("pre_train", evaluator.before_training, "evaluate_untrained")
         trainer.register_op("post_iteration", evaluator, "evaluate")
     return trainer
 
@@ -178,6 +181,8 @@ def build_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
 
 
 def summarize(trainer, wall_s: float) -> dict:
+    import torch
+
     from grpo_accel.distributed import local_parameter_fraction, zero_stage
 
     rewards = [h["train/reward_mean"] for h in trainer.history if "train/reward_mean" in h]
@@ -185,6 +190,7 @@ def summarize(trainer, wall_s: float) -> dict:
     acc = trainer.accelerator
     return {
         "num_processes": acc.num_processes,
+        "torch_threads": torch.get_num_threads(),
         "distributed_type": acc.distributed_type.name,
         "zero_stage": zero_stage(acc),
         "param_fraction_on_rank0": round(local_parameter_fraction(trainer.loss_module), 4),

@@ -46,7 +46,8 @@ def test_dataset_fields_reach_reward_functions(tokenizer, tiny_model):
     c = _collector(tokenizer, tiny_model)
     c.rewards = RewardSet({"spy": spy})
     c.collect()
-    assert set(seen) == {"prompts", "answer", "completion_ids", "finish_reason"}
+    assert set(seen) == {"prompts", "answer", "completion_ids", "finish_reason", "prompt_messages"}
+    assert seen["prompt_messages"] == [None] * 12  # string prompts have no messages
     assert len(seen["answer"]) == 12 and seen["prompts"][0] == seen["prompts"][2]
     assert [str(eval(p[:-1])) for p in seen["prompts"]] == seen["answer"]
     assert set(seen["finish_reason"]) <= {"stop", "length"}
@@ -128,7 +129,7 @@ def test_validate_rows_errors():
         validate_rows([], "prompt", "data.path='x.jsonl'")
     with pytest.raises(ValueError, match=r"row 1 has no prompt field 'prompt' \(its fields: \['question'\]\)"):
         validate_rows([{"prompt": "a"}, {"question": "b"}], "prompt", "src")
-    with pytest.raises(ValueError, match="row 0 field 'prompt' is ''"):
+    with pytest.raises(ValueError, match="row 0 column 'prompt' is ''"):
         validate_rows([{"prompt": ""}], "prompt", "src")
 
 

@@ -161,17 +161,24 @@ def test_bad_deepspeed_settings(zero, message):
 @pytest.mark.parametrize("content, message", [
     (None, "does not exist"),
     ("{not json", "is not valid JSON"),
-    ('{"zero_optimization": {"stage": 4}}', "zero_optimization.stage=4"),
     ('{"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}', "offload_param needs ZeRO stage 3"),
 ])
-def test_bad_deepspeed_file_stops_before_any_process_group(tmp_path, content, message):
+def test_bad_deepspeed_files_are_named(tmp_path, content, message):
     ds = tmp_path / "ds.json"
     if content is not None:
         ds.write_text(content)
+    with pytest.raises(DistributedConfigError, match=message) as err:
+        read_deepspeed_file(str(ds))
+    assert str(ds) in str(err.value)
+
+
+def test_a_bad_deepspeed_file_stops_the_launch_before_any_process_group(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"zero_optimization": {"stage": 4}}')
     cfg = tmp_path / "acc.yaml"
     cfg.write_text((ROOT / "accelerate_configs" / "zero2.yaml").read_text().replace("ds_configs/zero2.json", str(ds)))
     proc = launch(str(cfg), [f"output_dir={tmp_path}/run"], expect_ok=False, timeout=120)
-    assert proc.returncode != 0 and message in proc.stderr and str(ds) in proc.stderr
+    assert proc.returncode != 0 and "zero_optimization.stage=4" in proc.stderr and str(ds) in proc.stderr
     assert "process group ready" not in proc.stderr
 
 
@@ -180,6 +187,30 @@ def test_micro_batch_mismatch_stops_before_any_process_group(tmp_path):
                   expect_ok=False, timeout=120)
     assert "each process collects 64 completions per step" in proc.stderr
     assert "process group ready" not in proc.stderr
+
+
+@pytest.mark.parametrize("env, threads", [
+    ({}, lambda cores: cores),
+    ({"OMP_NUM_THREADS": "3"}, lambda cores: 3),  # the user's choice
+    ({"OMP_NUM_THREADS": "1", "ACCELERATE_DYNAMO_BACKEND": "NO"}, lambda cores: cores),  # accelerate launch's default
+    ({"OMP_NUM_THREADS": "1", "ACCELERATE_DYNAMO_BACKEND": "NO", "LOCAL_WORLD_SIZE": "2"}, lambda cores: max(1, cores // 2)),
+    ({"OMP_NUM_THREADS": "1", "ACCELERATE_DYNAMO_BACKEND": "NO", "GRPO_ACCEL_THREADS": "1"}, lambda cores: 1),
+])
+def test_torch_threads_per_process(monkeypatch, env, threads):
+    import torch
+
+    from grpo_accel.runtime import available_cores, configure_threads
+
+    for key in ("OMP_NUM_THREADS", "ACCELERATE_DYNAMO_BACKEND", "LOCAL_WORLD_SIZE", "ACCELERATE_NUM_PROCESSES",
+                "GRPO_ACCEL_THREADS"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    before = torch.get_num_threads()
+    try:
+        assert configure_threads() == torch.get_num_threads() == threads(available_cores())
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_build_lock_nobody_holds_is_removed_and_a_held_one_is_reported(tmp_path, caplog):

@@ -13,32 +13,59 @@ def test_embedded_default_learns_and_logs_to_tensorboard(tmp_path):
     launch("single_process.yaml", [f"output_dir={out}", "trainer.total_frames=25600", "trainer.progress_bar=false"])
     summary = json.loads((out / "summary.json").read_text())
     assert summary["iterations"] == 200
+    from grpo_accel.runtime import available_cores
+
+    assert summary["torch_threads"] == available_cores()  # not accelerate launch's OMP_NUM_THREADS=1
     assert summary["reward_last10_mean"] > summary["reward_first10_mean"] + 0.15, summary
     from grpo_accel.tracking import read_scalars
 
     scalars = read_scalars(out / "tensorboard")
     for tag in ("train/reward_mean", "train/reward_std", "train/loss", "train/clip_fraction", "train/kl_approx",
                 "train/ESS", "train/entropy", "train/ratio_mean", "train/reward/answer_match_mean",
-                "train/reward/format_match_mean"):
+                "train/reward/format_match_mean", "train/lr", "time/generate", "time/score",
+                "train/engine_logprob_abs_diff", "train/engine_prob_ratio_max"):
         assert len(scalars[tag]) == 200, tag
+    assert {round(v, 9) for _, v in scalars["train/lr"]} == {3e-4} and min(v for _, v in scalars["time/generate"]) > 0
+    # the embedded engine samples with the trained weights: only batching and kernels set them apart
+    assert max(v for _, v in scalars["train/engine_logprob_abs_diff"]) < 1e-4
+    from grpo_accel.tracking import read_texts
+
+    samples = read_texts(out / "tensorboard")["samples"]
+    assert [step for step, _ in samples][:2] == [1, 2] and len(samples) == 200
+    assert samples[-1][1].count("**reward ") == 3 and "prompt:\n\n    " in samples[-1][1]
     assert [step for step, _ in scalars["train/reward_mean"]][:3] == [1, 2, 3]
     assert (out / "config.yaml").read_text().count("total_frames: 25600") == 1
 
 
-def test_model_path_and_dataset_file(tmp_path, tokenizer, tiny_model):
-    model_dir = tmp_path / "model"
-    tiny_model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"question": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(5)))
+def test_the_smollm2_recipe_runs_end_to_end_on_a_saved_chat_dataset(tmp_path, smollm2):
+    """The recipe's path at a tiny scale: the converted model from its folder, chat rows from a saved dataset
+    folder (columns renamed, a held-out split), the chat template with a system prompt, math_answer, evaluation
+    before, during and after training, completion samples and the engine/trainer logprob gap."""
+    import datasets
+
+    from grpo_accel.tasks.chat_arithmetic import chat_arithmetic_rows
+    from grpo_accel.tracking import read_scalars, read_texts
+
+    train, held_out = chat_arithmetic_rows(99, holdout=2, count=6)
+    renamed = lambda rows: datasets.Dataset.from_list(  # noqa: E731 - a dataset with its own column names
+        [{"question": r["prompt"], "solution": r["answer"]} for r in rows])
+    datasets.DatasetDict({"train": renamed(train), "test": renamed(held_out)}).save_to_disk(str(tmp_path / "data"))
     out = tmp_path / "run"
     launch("single_process.yaml", [
-        "--config", str(ROOT / "launch" / "configs" / "default.yaml"), f"output_dir={out}",
-        f"model.name_or_path={model_dir}", f"data.path={data}", "data.prompt_field=question",
-        "trainer.total_frames=256", "rollout.prompts_per_step=4", "trainer.micro_batch_completions=16",
+        "--config", str(ROOT / "launch" / "configs" / "smollm2_arithmetic.yaml"), f"output_dir={out}",
+        f"model.name_or_path={smollm2}", f"data.path={tmp_path / 'data'}", "data.eval_split=test",
+        "data.rename_columns={question: prompt, solution: answer}", "data.system_prompt=Be brief.",
+        "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=6", "trainer.total_frames=8",
+        "eval.every_iterations=1", "eval.k=2", "trainer.progress_bar=false",
     ])
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["iterations"] == 8
+    assert json.loads((out / "summary.json").read_text())["iterations"] == 2
+    scalars = read_scalars(out / "tensorboard")
+    assert [step for step, _ in scalars["eval/math_answer/greedy_mean"]] == [0, 1, 2]
+    assert [step for step, _ in scalars["eval/math_answer/pass@2"]] == [0, 1, 2]
+    assert max(v for _, v in scalars["train/engine_logprob_abs_diff"]) < 1e-3
+    sample = read_texts(out / "tensorboard")["samples"][0][1]
+    assert "    <|im_start|>system\n    Be brief.<|im_end|>\n    <|im_start|>user\n    What is " in sample
+    assert "math_answer " in sample
 
 
 @pytest.mark.parametrize(
@@ -76,7 +103,10 @@ def test_empty_dataset_names_the_file(tmp_path):
     assert "the dataset is empty" in proc.stderr and str(data) in proc.stderr
 
 
-@pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "launch" / "configs").glob("*.yaml")))
+TINY_MODEL_CONFIGS = sorted(p.name for p in (ROOT / "launch" / "configs").glob("*.yaml") if not p.name.startswith("smollm2"))
+
+
+@pytest.mark.parametrize("config", TINY_MODEL_CONFIGS)  # the smollm2 recipe: test_the_smollm2_recipe_runs_end_to_end
 def test_every_experiment_config_runs(tmp_path, config):
     out = tmp_path / "run"
     launch("single_process.yaml", ["--config", str(ROOT / "launch" / "configs" / config), f"output_dir={out}",
@@ -85,7 +115,8 @@ def test_every_experiment_config_runs(tmp_path, config):
     from grpo_accel.tracking import read_scalars
 
     scalars = read_scalars(out / "tensorboard")
-    assert len(scalars["train/loss"]) == 4 and len(scalars["eval/answer_match/pass@4"]) == 2
+    assert len(scalars["train/loss"]) == 4
+    assert [step for step, _ in scalars["eval/answer_match/pass@4"]] == [0, 2, 4]  # before training, every 2
     if config == "async.yaml":
         assert [v for _, v in scalars["train/staleness"]][1:] == [1.0, 1.0, 1.0]
     if config == "dapo.yaml":

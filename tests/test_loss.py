@@ -14,6 +14,7 @@ from grpo_accel.loss import (
     clipped_surrogate,
     distributed_normalizer,
     effective_sample_size,
+    engine_mismatch,
     group_advantages,
     kl_k1,
     kl_k2,
@@ -141,6 +142,19 @@ def test_first_epoch_ratio_is_one_and_nothing_clipped(tokenizer, tiny_model):
     assert "loss_kl" not in out.keys() and loss.reference is None
     assert all(not out[k].requires_grad for k in out.keys() if not k.startswith("loss_"))
     assert out["loss_objective"].requires_grad
+
+
+def test_engine_mismatch_by_hand_and_in_the_loss(tokenizer, tiny_model):
+    trainer = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.1, -4.0]])
+    engine = torch.tensor([[-1.0, -2.5, -9.0], [-0.6, -0.1, -4.0]])
+    out = engine_mismatch(trainer, engine, torch.tensor([[1, 1, 0], [1, 1, 1]]))  # the -9.0 is padding
+    assert out["engine_logprob_abs_diff"] == pytest.approx(0.6 / 5)
+    assert out["engine_prob_ratio_max"] == pytest.approx(math.exp(0.5))
+    td = _rollout(tokenizer, tiny_model)  # the embedded engine: the trainer's own weights, batched differently
+    td[K.ENGINE_LOGPROBS][0, 0] += 0.25  # as if the engine's kernel had rounded that token's logprob apart
+    out = GRPOLoss(tiny_model)(td)
+    assert 0.25 / td[K.COMPLETION_MASK].sum() < out["engine_logprob_abs_diff"] < 0.25 / td[K.COMPLETION_MASK].sum() + 1e-5
+    assert out["engine_prob_ratio_max"] == pytest.approx(math.exp(0.25), abs=1e-4)
 
 
 def test_kl_is_zero_when_reference_equals_policy(tokenizer, tiny_model):

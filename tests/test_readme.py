@@ -24,6 +24,11 @@ ELSEWHERE = {  # how a command starts -> why it does not run in this suite, and 
     ".venv/bin/accelerate launch --config_file accelerate_configs/zero3.yaml -m grpo_accel.bench":
         "minutes under ZeRO-3; tests/test_bench.py runs the benchmark under zero3.yaml small",
     "bash launch/gpu_check.sh": "needs a GPU; tests/test_bench.py checks that it refuses without one",
+    ".venv/bin/python -m grpo_accel.models smollm2-135m": "downloads 93 MB; tests/conftest.py's smollm2 fixture "
+        "runs the same conversion once per machine",
+    ".venv/bin/accelerate launch --config_file accelerate_configs/single_process.yaml launch/train.py --config "
+    "launch/configs/smollm2_arithmetic.yaml": "40 minutes; tests/test_launch.py runs the recipe's path on the real "
+        "model at a tiny scale",
 }
 TRAINS = re.compile(r"accelerate launch --config_file accelerate_configs/\w+\.yaml launch/train\.py$")
 

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from grpo_accel.rewards import RewardError, RewardSet, answer_match, format_match
+from grpo_accel.rewards import RewardError, RewardSet, answer_match, final_answer, format_match, math_answer, same_answer
 
 
 def test_answer_match_compares_last_number_numerically():
@@ -15,6 +15,33 @@ def test_format_match_needs_full_match_and_a_stop():
     got = format_match(["p"] * 4, ["12", "1+2", "12", " -3 "], finish_reason=["stop", "stop", "length", "stop"])
     assert got == [1.0, 0.0, 0.0, 1.0]
     assert format_match(["p"], ["ab"], pattern="[a-z]+") == [1.0]
+
+
+@pytest.mark.parametrize("text, stated, strict", [
+    ("so \\boxed{4\\frac{1}{2}} and 9", "4\\frac{1}{2}", "4\\frac{1}{2}"),  # boxed first, braces balanced
+    ("The answer is 42.\n#### 43", "43", "43"),
+    ("17 + 25 = 42, so the answer is 42 apples.", "42 apples", "42 apples"),
+    ("Answer: x^2", "x^2", "x^2"),
+    ("27 + 82 = 198", "198", "198"),
+    ("I think 5, or maybe 7", "7", None),
+    ("\\boxed{12", "12", None),  # an unclosed box states nothing
+    ("no digits", None, None),
+])
+def test_final_answer_is_found_the_way_people_write_it(text, stated, strict):
+    assert final_answer(text) == stated
+    assert final_answer(text, last_number=False) == strict
+
+
+def test_answers_compare_as_numbers_or_with_math_verify():
+    assert same_answer("85 apples", "85") and same_answer("1,234", "1234") and not same_answer("86", "85")
+    assert same_answer("\\frac{1}{2}", "0.5") and same_answer("1/2", "\\frac{1}{2}")  # math-verify
+    assert same_answer("x^2 + 1", "1 + x^2") and not same_answer("x^2", "x^3")
+
+
+def test_math_answer_reward_and_its_strict_mode():
+    completions = ["The answer is 85.", "27 + 82 = 198", "so 40 then 85", "#### 85"]
+    assert math_answer(["p"] * 4, completions, answer=["85"] * 4) == [1.0, 0.0, 1.0, 1.0]
+    assert math_answer(["p"] * 4, completions, answer=["85"] * 4, strict=True) == [1.0, 0.0, 0.0, 1.0]
 
 
 def test_reward_set_weights_and_per_function_values():

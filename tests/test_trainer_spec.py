@@ -183,10 +183,15 @@ def test_evaluation_hook_logs_greedy_and_pass_at_k(tokenizer, tiny_model):
     train_rows, held_out = addition_rows(4, holdout=5)
     trainer = make_trainer(tokenizer, tiny_model, total_frames=16 * 4)
     rewards = RewardSet({"answer_match": answer_match, "format_match": format_match})
-    evaluator = Evaluator(trainer.collector.engine, tokenizer, held_out, rewards, every=2, k=4)
+    evaluator = Evaluator(trainer.collector.engine, tokenizer, held_out, rewards, every=3, k=4)
+    trainer.register_op("pre_train", evaluator.before_training, "evaluate_untrained")
     trainer.register_op("post_iteration", evaluator, "evaluate")
+    evaluated_at = []
+    trainer.register_op("post_iteration", lambda t: evaluated_at.append((t.iterations, len(evaluator.history))))
     trainer.train()
-    assert len(evaluator.history) == 2
+    assert trainer.iterations == 4
+    # before training, every 3 iterations, and after the last
+    assert evaluated_at == [(1, 1), (2, 1), (3, 2), (4, 3)]
     keys = set(evaluator.history[0])
     assert {"eval/answer_match/greedy_mean", "eval/answer_match/pass@4", "eval/format_match/pass@4"} <= keys
     again = evaluator.evaluate()

@@ -50,3 +50,9 @@ def make_trainer(tokenizer, model, *, prompts=4, group=4, lr=3e-3, loss_kwargs=N
     return GRPOTrainer(**args)
 
 
+
+
+def without_wall_times(history: list[dict]) -> list[dict]:
+    """Logged scalars less the seconds under time/ (the collector's are logged always): what a seeded run
+    repeats exactly."""
+    return [{k: v for k, v in h.items() if not k.startswith("time/")} for h in history]

@@ -3,33 +3,37 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from typing import Callable, Iterator, Protocol
 
 import torch
 from tensordict import TensorDict
 
 from grpo_accel import batch as K
-from grpo_accel.data import DataError, check_columns
+from grpo_accel.data import DataError, Prompts, check_columns, encode_prompts
 from grpo_accel.loss import group_advantages
-from grpo_accel.rewards import RewardSet
+from grpo_accel.rewards import PROVIDED_FIELDS, RewardSet
 
 logger = logging.getLogger(__name__)
 
-RESERVED_FIELDS = ("prompts", "completions", "completion_ids", "finish_reason")
+RESERVED_FIELDS = ("prompts", "completions", *PROVIDED_FIELDS)
+TIMED = ("time_generate", "time_score")
 FINISH_NAMES = {code: name for name, code in K.FINISH_REASONS.items()}
 
 
-def score_rollout(td: TensorDict, rows: list[dict], group_size: int, tokenizer, rewards: RewardSet,
-                  prompt_field: str = "prompt") -> TensorDict:
-    """Rewards of a rollout whose groups come from ``rows`` (one row per group): decode, call every function."""
-    rows = [row for row in rows for _ in range(group_size)]
+def score_rollout(td: TensorDict, rows: list[dict], prompts: Prompts, group_size: int, tokenizer,
+                  rewards: RewardSet, prompt_field: str = "prompt") -> TensorDict:
+    """Rewards of a rollout whose groups come from ``rows`` (one row per group, ``prompts`` their rendered
+    prompts): decode, call every function."""
+    repeat = lambda values: [v for v in values for _ in range(group_size)]  # noqa: E731 - one per completion
     ids = [c[m.bool()].tolist() for c, m in zip(td[K.COMPLETION_IDS], td[K.COMPLETION_MASK])]
-    fields = {k: [row[k] for row in rows] for k in rows[0] if k != prompt_field}
+    fields = {k: repeat(row[k] for row in rows) for k in rows[0] if k != prompt_field}
     return rewards(
-        [row[prompt_field] for row in rows],
+        repeat(prompts.texts),
         tokenizer.batch_decode(ids, skip_special_tokens=True),
         completion_ids=ids,
         finish_reason=[FINISH_NAMES[int(r)] for r in td[K.FINISH_REASON]],
+        prompt_messages=repeat(prompts.messages),
         **fields,
     )
 
@@ -69,7 +73,8 @@ class GRPOCollector:
         rewards: the reward functions and their weights.
         prompts_per_batch: prompts per collected batch over all processes.
         group_size: completions per prompt (>= 2).
-        max_prompt_tokens: a longer prompt is an error naming its row.
+        max_prompt_tokens: a longer prompt (after the chat template) is an error naming its row.
+        system_prompt: prepended as a system message to every chat-formatted prompt (see :mod:`grpo_accel.data`).
         scale_advantages / leave_one_out: see :func:`grpo_accel.loss.group_advantages`.
         dynamic_sampling: drop groups whose rewards all tie (they carry no gradient) and sample more prompts
             until the batch is full, for at most ``max_extra_rounds`` extra rounds; tied groups fill what is
@@ -94,6 +99,7 @@ class GRPOCollector:
         group_size: int,
         prompt_field: str = "prompt",
         max_prompt_tokens: int | None = None,
+        system_prompt: str | None = None,
         scale_advantages: bool = True,
         leave_one_out: bool = False,
         seed: int = 0,
@@ -114,14 +120,17 @@ class GRPOCollector:
             raise DataError(f"dataset fields {clash} clash with reward-function arguments; rename those columns.")
         self.engine, self.tokenizer, self.rows, self.rewards = engine, tokenizer, rows, rewards
         self.prompts_per_batch, self.group_size = prompts_per_batch, group_size
-        self.prompt_field, self.max_prompt_tokens = prompt_field, max_prompt_tokens
+        self.prompt_field = prompt_field
         self.scale_advantages, self.leave_one_out = scale_advantages, leave_one_out
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.dynamic_sampling, self.max_extra_rounds, self.sync_any = dynamic_sampling, max_extra_rounds, sync_any
         self.epoch, self.position, self.batches = 0, 0, 0
+        self._seconds = dict.fromkeys(TIMED, 0.0)  # this batch's seconds per phase
         self._order = self._shuffled(0)
         check_columns(rows, rewards.required_columns())
-        self._prompt_ids = [self._tokenize(i) for i in range(len(rows))]  # every row checked before any batch
+        # every row rendered, tokenised and checked before any batch
+        self.prompts = encode_prompts(rows, tokenizer, prompt_field=prompt_field, system_prompt=system_prompt,
+                                      max_tokens=max_prompt_tokens)
         self._warn_unknown_tokens()
 
     def shard(self, rank: int, world_size: int, sync_any: Callable[[bool], bool]) -> None:
@@ -134,10 +143,6 @@ class GRPOCollector:
     def completions_per_batch(self) -> int:
         """Completions this process collects per batch."""
         return self.prompts_per_batch // self.world_size * self.group_size
-
-    @property
-    def reward_names(self) -> list[str]:
-        return self.rewards.names
 
     def _shuffled(self, epoch: int) -> list[int]:
         order = list(range(len(self.rows)))
@@ -155,38 +160,33 @@ class GRPOCollector:
             self.position += 1
         return out
 
-    def _tokenize(self, index: int) -> list[int]:
-        ids = self.tokenizer(self.rows[index][self.prompt_field])["input_ids"]
-        if not ids:
-            raise DataError(f"dataset row {index}: column {self.prompt_field!r} encodes to no tokens; check the "
-                            "tokenizer (model.name_or_path) or drop that row.")
-        if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
-            raise DataError(
-                f"dataset row {index}: column {self.prompt_field!r} is {len(ids)} tokens, more than "
-                f"rollout.max_prompt_tokens={self.max_prompt_tokens}; raise rollout.max_prompt_tokens or drop/shorten "
-                "that prompt."
-            )
-        return ids
-
     def _warn_unknown_tokens(self) -> None:
         unk = getattr(self.tokenizer, "unk_token_id", None)
         if unk is None:
             return
-        rows = [i for i, ids in enumerate(self._prompt_ids) if unk in ids]
+        rows = [i for i, ids in enumerate(self.prompts.ids) if unk in ids]
         if rows:
             logger.warning("%d of %d prompts hold text the tokenizer maps to its unknown token %r (first: row %d, %r); "
                            "the model cannot read that text: use a tokenizer that covers it (model.name_or_path)",
                            len(rows), len(self.rows), self.tokenizer.unk_token, rows[0],
-                           self.rows[rows[0]][self.prompt_field][:80])
-
-    def _encode(self, index: int) -> list[int]:
-        return self._prompt_ids[index]
+                           self.prompts.texts[rows[0]][:80])
 
     def collect(self) -> TensorDict:
-        """One scored rollout TensorDict [completions_per_batch] (keys: grpo_accel.batch)."""
+        """One scored rollout TensorDict [completions_per_batch] (keys: grpo_accel.batch). Its ``stats`` hold
+        this batch's seconds spent generating and scoring (``time_generate``, ``time_score``) and, with dynamic
+        sampling, the fraction of groups dropped and the extra rounds taken."""
+        self._seconds = dict.fromkeys(TIMED, 0.0)
         td = self._collect_round()
-        if not self.dynamic_sampling:
-            return td
+        stats = {}
+        if self.dynamic_sampling:
+            td, stats = self._refill(td)
+        n = td.shape[0]
+        td["stats"] = TensorDict({k: torch.full((n,), float(v)) for k, v in (stats | self._seconds).items()},
+                                 batch_size=[n])
+        return td
+
+    def _refill(self, td: TensorDict) -> tuple[TensorDict, dict[str, float]]:
+        """Dynamic sampling: replace groups whose rewards tie with informative ones from extra rounds."""
         groups = self.prompts_per_batch // self.world_size
         informative, tied = _split_tied_groups(td, self.group_size)
         seen, rounds = td.shape[0] // self.group_size, 0
@@ -197,10 +197,7 @@ class GRPOCollector:
             informative, tied, seen = informative + new_informative, tied + new_tied, seen + len(new_informative) + len(new_tied)
         chosen = (informative + tied)[:groups]
         out = K.concat_rollouts(chosen, pad_id=self.engine.pad_id if hasattr(self.engine, "pad_id") else 0)
-        n = out.shape[0]
-        out["stats"] = TensorDict({"dropped_group_fraction": torch.full((n,), len(tied) / seen),
-                                   "extra_rounds": torch.full((n,), float(rounds))}, batch_size=[n])
-        return out
+        return out, {"dropped_group_fraction": len(tied) / seen, "extra_rounds": float(rounds)}
 
     def _collect_round(self) -> TensorDict:
         """Generate and score the next global batch's share of this process."""
@@ -211,8 +208,12 @@ class GRPOCollector:
         group_ids = list(range(first_group, first_group + share))
         # Seeds depend on (seed, group id) only: the same samples whatever the number of processes.
         seeds = [(self.seed % 2**20) * 2**36 + g for g in group_ids]
-        td = self.engine.generate([self._encode(i) for i in indices], self.group_size, seeds=seeds)
+        start = time.perf_counter()
+        td = self.engine.generate([self.prompts.ids[i] for i in indices], self.group_size, seeds=seeds)
+        scored = time.perf_counter()
         td.update(self._score(td, indices))
+        self._seconds["time_generate"] += scored - start
+        self._seconds["time_score"] += time.perf_counter() - scored
         td[K.ADVANTAGES] = group_advantages(
             td[K.REWARD], self.group_size, scale_by_std=self.scale_advantages, leave_one_out=self.leave_one_out
         )
@@ -221,8 +222,8 @@ class GRPOCollector:
         return td
 
     def _score(self, td: TensorDict, indices: list[int]) -> TensorDict:
-        return score_rollout(td, [self.rows[i] for i in indices], self.group_size, self.tokenizer, self.rewards,
-                             self.prompt_field)
+        return score_rollout(td, [self.rows[i] for i in indices], self.prompts.take(indices), self.group_size,
+                             self.tokenizer, self.rewards, self.prompt_field)
 
     def __iter__(self) -> Iterator[TensorDict]:
         while True:
