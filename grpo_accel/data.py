@@ -37,7 +37,7 @@ def load_rows(path: str | Path, *, name: str | None = None, split: str = "train"
         rows = _read_file(local, where)
     elif local.is_dir() and _is_saved_dataset(local):
         rows = _read_saved(local, split, where)
-    elif local.suffix in DATASET_FILES or str(path).startswith(("/", ".", "~")):
+    elif not local.exists() and (local.suffix in DATASET_FILES or str(path).startswith(("/", ".", "~"))):
         raise DataError(f"{where}: no such file or folder (cwd {Path.cwd()}); give a JSONL or Parquet file, a "
                         "folder written by Dataset.save_to_disk, or a Hugging Face dataset id.")
     else:

@@ -96,6 +96,9 @@ def test_saved_dataset_folders_splits_and_renamed_columns(tmp_path):
     assert [r["answer"] for r in train] == ["1", "2", "3", "4"] and [r["answer"] for r in held_out] == ["5", "6"]
     assert train[0]["prompt"] == [{"role": "user", "content": "0+1="}]
     assert len(load_rows(tmp_path / "single")) == 6
+    (tmp_path / "files").mkdir()  # a folder of data files: datasets' own loader reads it
+    (tmp_path / "files" / "part.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    assert load_rows(tmp_path / "files") == [{"prompt": "1+1=", "answer": "2"}]
     with pytest.raises(DataError, match=r"has splits \['test', 'train'\], not 'validation'; set data.split"):
         load_rows(tmp_path / "splits", split="validation")
     with pytest.raises(DataError, match=r"data.rename_columns names \['query'\], which the rows lack"):
