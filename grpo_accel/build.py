@@ -69,8 +69,9 @@ def build_rows(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
         path, key = (cfg.eval_path, "data.eval_path") if cfg.eval_path is not None else (cfg.path, "data.path")
         if path is None:
             raise ConfigError(f"data.eval_split={cfg.eval_split!r}: the built-in task has no splits; set data.holdout.")
-        held_out = load_rows(path, name=cfg.name, split=cfg.eval_split or "train", rename=cfg.rename_columns, key=key)
-        held_out = validate_rows(held_out, cfg.prompt_field, f"{key}={path!r} (split {cfg.eval_split or 'train'!r})")
+        split = cfg.eval_split or "train"
+        held_out = load_rows(path, name=cfg.name, split=split, rename=cfg.rename_columns, key=key)
+        held_out = validate_rows(held_out, cfg.prompt_field, f"{key}={path!r} (split {split!r})")
     return train, held_out
 
 
