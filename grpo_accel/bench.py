@@ -102,7 +102,7 @@ class BareLoop:
 
 def run(args) -> dict | None:
     """Measure; the result on the main process, None on the others."""
-    from grpo_accel.distributed import full_numel, preflight, zero_stage
+    from grpo_accel.distributed import full_numel, launch_world_size, preflight, zero_stage
     from grpo_accel.loss import GRPOLoss
     from grpo_accel.rewards import RewardSet, answer_match, format_match
     from grpo_accel.rollout.collector import GRPOCollector, score_rollout
@@ -112,6 +112,9 @@ def run(args) -> dict | None:
     from grpo_accel.tasks.tiny import TinyModelSpec, build_char_tokenizer, build_tiny_model
     from grpo_accel.trainer import GRPOTrainer
 
+    if args.items and launch_world_size() > 1:
+        raise SystemExit("grpo_accel.bench: --items measures on one process; run it without accelerate launch "
+                         "or with accelerate_configs/single_process.yaml.")
     preflight()
     threads = configure_threads()
     dtype = getattr(torch, args.dtype)
@@ -128,9 +131,6 @@ def run(args) -> dict | None:
     hidden = model.config.hidden_size
     bare_model = copy.deepcopy(model)  # before prepare: ZeRO-3 partitions the trainer's copy in place
     accelerator = make_accelerator()
-    if args.items and accelerator.num_processes > 1:
-        raise SystemExit("grpo_accel.bench: --items measures on one process; run it without accelerate launch "
-                         "or with accelerate_configs/single_process.yaml.")
     device = accelerator.device
     rows = addition_rows(9)[0]
     engine = EmbeddedEngine(model, tokenizer, max_new_tokens=args.max_new_tokens)

@@ -1,6 +1,7 @@
 """Builders that turn a :class:`~grpo_accel.config.GRPOConfig` into components (used by launch/train.py)."""
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 from pathlib import Path
@@ -50,6 +51,21 @@ def build_tokenizer_and_model(cfg: ModelConfig, seed: int = 0):
         raise ConfigError(f"{key}: the tokenizer has {len(tokenizer)} tokens but the model embeds only {rows}; "
                           "they do not belong together: save the model's own tokenizer beside it.")
     return tokenizer, model
+
+
+def build_policy(cfg: ModelConfig, with_reference: bool, seed: int = 0):
+    """(tokenizer, policy, reference or None). With ``lora.r`` the policy is the model with a fresh LoRA adapter
+    and the reference is that model with its adapter off; otherwise the reference is a frozen copy."""
+    tokenizer, model = build_tokenizer_and_model(cfg, seed=seed)
+    reference = copy.deepcopy(model) if with_reference and not cfg.lora.r else None
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.lora.r:
+        from grpo_accel.lora import BasePolicy, apply_lora
+
+        model = apply_lora(model, cfg.lora, seed=seed)
+        reference = BasePolicy(model) if with_reference else None
+    return tokenizer, model, reference
 
 
 def _looks_like_a_path(name: str) -> bool:

@@ -2,7 +2,7 @@
 
 Layout of ``<directory>/step_00000042/`` (one folder per save, named by the trainer's iteration):
 
-    accelerate state        model / optimizer / RNG per rank / every rank's ZeRO shards (accelerator.save_state)
+    accelerate state        trainable weights / optimizer / RNG per rank / every rank's ZeRO shards (save_state)
     trainer_state_rank{r}.pt  counters, replay buffer, collector position of rank r
     hf/                     the policy's transformers config and the tokenizer (for export)
     metadata.json           step, frames, processes, ZeRO stage, parameter signature, user metadata, file manifest
@@ -14,6 +14,7 @@ marker and renames the folder. A crash at any point leaves either the previous c
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -267,7 +268,8 @@ class RunCheckpointer:
         acc.wait_for_everyone()
         failed = None
         try:
-            acc.save_state(str(staging))
+            with frozen_weights_left_out(acc):
+                acc.save_state(str(staging), **_save_kwargs(acc))
             torch.save(rank_state, rank_state_file(staging, acc.process_index))
             if acc.is_main_process:
                 for asset in hf_assets:
@@ -320,10 +322,43 @@ class RunCheckpointer:
         Checkpoint.verify(path, num_processes=acc.num_processes, zero_stage=zero_stage(acc), signature=signature)
         rank_file = rank_state_file(path, acc.process_index)
         try:
-            acc.load_state(str(path))
+            acc.load_state(str(path), **_load_kwargs(acc))
             state = torch.load(rank_file, weights_only=True) if rank_file.is_file() or strict else None
         except Exception as exc:
             raise CheckpointError(f"checkpoint {path} could not be loaded ({type(exc).__name__}: {exc}); resume "
                                   "from another checkpoint. Nothing in the run folder was changed.") from exc
         logger.info("checkpoint %s loaded in %.2f s", path, time.perf_counter() - start)
         return state
+
+
+# Checkpoints hold what training changes. Frozen parameters (a LoRA run's base model, a KL reference) come from the
+# model the resumed run builds, as DeepSpeed's exclude_frozen_parameters does: a LoRA checkpoint is the adapter.
+
+
+def _uses_deepspeed(acc) -> bool:
+    return acc.distributed_type.name == "DEEPSPEED"
+
+
+def _save_kwargs(acc) -> dict:
+    return {"exclude_frozen_parameters": True} if _uses_deepspeed(acc) else {}
+
+
+def _load_kwargs(acc) -> dict:
+    return {"load_module_strict": False} if _uses_deepspeed(acc) else {"strict": False}
+
+
+@contextlib.contextmanager
+def frozen_weights_left_out(acc):
+    """Around ``save_state``: the model files (outside DeepSpeed) keep only parameters that require grad."""
+    def drop_frozen(models, weights, output_dir) -> None:
+        for model, state in zip(models, weights):
+            for name, p in model.named_parameters(remove_duplicate=False):  # tied names too
+                if not p.requires_grad:
+                    state.pop(name, None)
+
+    handle = None if _uses_deepspeed(acc) else acc.register_save_state_pre_hook(drop_frozen)
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.remove()

@@ -33,6 +33,26 @@ def _choice(key: str, value: Any, options: tuple) -> None:
 
 
 @dataclass
+class LoraConfig:
+    r: int = 0
+    """Adapter rank; 0 trains every weight (full fine-tuning), r > 0 trains only a LoRA adapter (PEFT)."""
+    alpha: float = 32.0
+    """Scale: the adapter adds alpha / r * B A to each targeted weight."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training (0 keeps logprobs deterministic, as pi_old assumes)."""
+    target_modules: str | list[str] = "all-linear"
+    """Which layers get an adapter: "all-linear" (every linear layer but the output head) or module names such as
+    [q_proj, v_proj]."""
+
+    def __post_init__(self) -> None:
+        _check(self.r >= 0, "model.lora.r", self.r, "use 0 (no LoRA) or a positive rank such as 16.")
+        _check(self.alpha > 0, "model.lora.alpha", self.alpha, "use a positive scale such as 2 x r.")
+        _check(0 <= self.dropout < 1, "model.lora.dropout", self.dropout, "use a probability in [0, 1), e.g. 0.")
+        _check(bool(self.target_modules), "model.lora.target_modules", self.target_modules,
+               'use "all-linear" or a list of module names such as [q_proj, v_proj].')
+
+
+@dataclass
 class ModelConfig:
     name_or_path: str | None = None
     """Hugging Face model folder (or hub id); None builds the built-in tiny Llama with random weights."""
@@ -48,6 +68,8 @@ class ModelConfig:
     """Dtype the weights are loaded in (mixed precision is trainer.mixed_precision)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward instead of storing them (less memory, ~30% more compute)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapter settings (model.lora.r > 0 turns it on)."""
 
     def __post_init__(self) -> None:
         for key in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
@@ -459,6 +481,11 @@ def _set_dotted(data: dict, key: str, value: Any) -> None:
             node[part] = {}
         node = node[part]
     node[parts[-1]] = value
+
+
+def build_section(cls, data: dict, key: str):
+    """One section (e.g. ``ModelConfig`` from a saved run's ``model`` mapping), checked as ``load_config`` does."""
+    return _build(cls, data, key + ".")
 
 
 def _build(cls, data: Any, prefix: str):

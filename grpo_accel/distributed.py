@@ -152,6 +152,20 @@ def local_parameter_fraction(module) -> float:
     return local / max(total, 1)
 
 
+def trainable_elements(module) -> int:
+    """Parameter elements the optimizer updates (whole parameters, however ZeRO-3 splits them)."""
+    return sum(full_numel(p) for p in module.parameters() if p.requires_grad)
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of this process's optimizer state (Adam's moments), under Accelerate's and DeepSpeed's wrappers:
+    the innermost torch optimizer holds the tensors (ZeRO: this rank's partition of them)."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
+               if hasattr(t, "element_size"))
+
+
 @contextlib.contextmanager
 def gathered_parameters(params: Iterable) -> Iterator[None]:
     """Full values of ``params`` (e.g. ``module.parameters()``) inside the block under ZeRO-3 (a collective:

@@ -179,6 +179,7 @@ class GRPOLoss(nn.Module):
     Args:
         policy: causal LM being trained (a transformers ``PreTrainedModel`` or anything returning ``.logits``).
         reference: frozen reference policy for the KL term; required iff ``kl_coef > 0`` (with 0 it is never run).
+            A module, or a callable over the policy's own weights such as ``lora.BasePolicy(policy)``.
         clip_epsilon: PPO clip; a float, or ``(low, high)`` for clip-higher (DAPO uses (0.2, 0.28)).
         kl_coef: weight of the KL-to-reference term ``loss_kl``.
         kl_estimator: "k1", "k2" or "k3".
@@ -231,8 +232,11 @@ class GRPOLoss(nn.Module):
         _check(tis_cap is None or tis_cap >= 1.0, "tis_cap", tis_cap, "use None (off) or a cap >= 1, e.g. 2.0")
         _check(temperature > 0, "temperature", temperature, "use the sampling temperature (> 0)")
         self.policy = policy
-        # Kept out of the parameter tree's gradients; under ZeRO it is sharded with the policy.
-        self.reference = reference.requires_grad_(False).eval() if reference is not None and kl_coef > 0 else None
+        # Kept out of the parameter tree's gradients; under ZeRO it is sharded with the policy. A reference that is
+        # no module (lora.BasePolicy: the policy with its adapter off) owns no parameters of its own.
+        self.reference = reference if reference is not None and kl_coef > 0 else None
+        if isinstance(self.reference, nn.Module):
+            self.reference.requires_grad_(False).eval()
         self.eps_low, self.eps_high = float(eps_low), float(eps_high)
         self.kl_coef, self.kl_estimator = float(kl_coef), kl_estimator
         self.aggregation, self.max_completion_tokens = aggregation, max_completion_tokens

@@ -37,17 +37,19 @@ def dotted(version: tuple[int, ...]) -> str:
 
 
 def final_model(run: Path, dtype: torch.dtype):
-    """The run's policy after its last step, as a transformers model at ``dtype``; and its tokenizer."""
-    from grpo_accel.build import build_tokenizer_and_model
-    from grpo_accel.checkpoint import Checkpoint
-    from grpo_accel.config import GRPOConfig, load_config
-    from grpo_accel.export import checkpoint_state_dict, policy_weights
+    """The run's policy after its last step (a LoRA run's merged), as a transformers model at ``dtype``; and its
+    tokenizer."""
+    from transformers import AutoTokenizer
 
-    cfg: GRPOConfig = load_config(str(run / "config.yaml"), [])
-    tokenizer, model = build_tokenizer_and_model(cfg.model, seed=cfg.trainer.seed)
-    model.load_state_dict(policy_weights(checkpoint_state_dict(Checkpoint(run / "checkpoints").complete()[-1])))
+    from grpo_accel.checkpoint import Checkpoint
+    from grpo_accel.export import load_policy
+    from grpo_accel.lora import is_lora
+
+    last = Checkpoint(run / "checkpoints").complete()[-1]
+    model = load_policy(last)
+    model = model.merge_and_unload() if is_lora(model) else model
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return tokenizer, model.to(device=device, dtype=dtype).eval()
+    return AutoTokenizer.from_pretrained(last / "hf"), model.to(device=device, dtype=dtype).eval()
 
 
 def check(url: str, run: Path, api_key: str | None, admin_api_key: str | None) -> list[tuple[str, str, str]]:

@@ -33,11 +33,12 @@ log = logging.getLogger("grpo_accel.train")
 def build_trainer(cfg: GRPOConfig):
     import torch
 
-    from grpo_accel.build import build_rewards, build_rows, build_tokenizer_and_model
+    from grpo_accel.build import build_policy, build_rewards, build_rows
     from grpo_accel.checkpoint import Checkpoint, CheckpointRotation
     from grpo_accel.config import ConfigError, resume_conflicts
     from grpo_accel.distributed import launch_world_size, preflight
     from grpo_accel.evaluation import Evaluator
+    from grpo_accel.lora import trainable_parameters
     from grpo_accel.loss import GRPOLoss
     from grpo_accel.rollout.collector import GRPOCollector
     from grpo_accel.runtime import make_accelerator
@@ -70,10 +71,7 @@ def build_trainer(cfg: GRPOConfig):
                           "data.holdout (built-in task), data.eval_path or data.eval_split, or eval.every_iterations=0.")
     # Models are built before the Accelerator: under ZeRO-3 that keeps zero.Init out, so every stage starts
     # from the same weights (DeepSpeed partitions them in prepare()).
-    tokenizer, model = build_tokenizer_and_model(cfg.model, seed=t.seed)
-    reference = copy.deepcopy(model) if lc.kl_coef > 0 else None
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    tokenizer, model, reference = build_policy(cfg.model, with_reference=lc.kl_coef > 0, seed=t.seed)
     accelerator = make_accelerator(t.gradient_accumulation_steps, t.mixed_precision)
     log.info("process group ready: rank %d of %d (%s)", accelerator.process_index, accelerator.num_processes,
              accelerator.distributed_type.name)
@@ -95,7 +93,7 @@ def build_trainer(cfg: GRPOConfig):
         temperature=r.temperature, packing=lc.packing,
     )
     o = cfg.optim
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
     logger = TensorBoardLogger(Path(cfg.output_dir) / "tensorboard") if accelerator.is_main_process else None
     trainer = GRPOTrainer(
         collector=collector, total_frames=t.total_frames, optim_steps_per_batch=t.optim_steps_per_batch,
@@ -183,7 +181,7 @@ def build_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
 def summarize(trainer, wall_s: float) -> dict:
     import torch
 
-    from grpo_accel.distributed import local_parameter_fraction, zero_stage
+    from grpo_accel.distributed import local_parameter_fraction, optimizer_state_bytes, trainable_elements, zero_stage
 
     rewards = [h["train/reward_mean"] for h in trainer.history if "train/reward_mean" in h]
     k = min(10, len(rewards))
@@ -194,6 +192,8 @@ def summarize(trainer, wall_s: float) -> dict:
         "distributed_type": acc.distributed_type.name,
         "zero_stage": zero_stage(acc),
         "param_fraction_on_rank0": round(local_parameter_fraction(trainer.loss_module), 4),
+        "trainable_parameters": trainable_elements(trainer.loss_module),
+        "optimizer_state_bytes_rank0": optimizer_state_bytes(trainer.optimizer),
         "iterations": len(trainer.history),
         "weight_sync_s": round(getattr(trainer.weight_sync_sender, "last_sync_s", 0.0), 4),
         "weight_sync_peak_extra_bytes": getattr(getattr(trainer.weight_sync_sender, "gather", None), "peak_extra_bytes", 0),

@@ -39,32 +39,47 @@ def test_benchmark_reports_phases_mfu_overhead_and_speed_items(tmp_path):
     assert memory["unit"] == "MB" and memory["after"] < 0.6 * memory["before"], memory
 
 
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory, tokenizer):
+    """The built-in tiny Llama (0.1M parameters) saved with its tokenizer."""
+    from grpo_accel.tasks.tiny import build_tiny_model
+
+    folder = tmp_path_factory.mktemp("model")
+    build_tiny_model(tokenizer, seed=0).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.mark.parametrize("config, stage", [("ddp.yaml", 0), ("zero3.yaml", 3)])
-def test_benchmark_runs_under_accelerate_launch(tmp_path, config, stage):
+def test_benchmark_runs_under_accelerate_launch(tmp_path, model_folder, config, stage):
     out = tmp_path / "bench.json"
-    proc = launch(config, [*SMALL, "--packing", "--out", str(out)], script=("-m", "grpo_accel.bench"))
+    proc = launch(config, [*SMALL, "--model", str(model_folder), "--packing", "--out", str(out)],
+                  script=("-m", "grpo_accel.bench"))
     result = json.loads(out.read_text())
     check_result(result, processes=2)
     assert result["zero_stage"] == stage and result["packing"] is True
     assert proc.stdout.count("trainer overhead") == 1  # the main process reports
 
 
-def test_benchmark_takes_a_model_folder(tmp_path, tokenizer, tiny_model):
-    tiny_model.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
+def test_benchmark_takes_a_model_folder(tmp_path, model_folder):
+    from transformers import AutoModelForCausalLM
+
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "grpo_accel.bench", *SMALL, "--model", str(tmp_path / "model"),
+    proc = subprocess.run([sys.executable, "-m", "grpo_accel.bench", *SMALL, "--model", str(model_folder),
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     check_result(result, processes=1)
-    assert result["size"] == str(tmp_path / "model")
-    assert result["parameters"] == sum(p.numel() for p in tiny_model.parameters())
+    assert result["size"] == str(model_folder)
+    assert result["parameters"] == AutoModelForCausalLM.from_pretrained(model_folder).num_parameters()
 
 
-def test_items_refuse_several_processes(tmp_path):
-    proc = launch("ddp.yaml", [*SMALL, "--items"], script=("-m", "grpo_accel.bench"), expect_ok=False)
-    assert proc.returncode != 0 and "--items measures on one process" in proc.stderr
+def test_items_refuse_several_processes(monkeypatch):
+    from grpo_accel.bench import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what accelerate launch sets in each of 2 processes
+    with pytest.raises(SystemExit, match="--items measures on one process"):
+        main([*SMALL, "--items"])
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without a GPU")

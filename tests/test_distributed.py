@@ -11,6 +11,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from grpo_accel.distributed import DistributedConfigError, read_deepspeed_file, validate_deepspeed_config
 from launching import ROOT, free_port, launch, run_in_group
@@ -63,6 +64,33 @@ def test_two_processes_match_one_process(single, tmp_path, config, stage, dist_t
     assert_same_run(got, single)
 
 
+LORA = ("model.lora.r=4", "model.lora.alpha=8", "loss.kl_coef=0.05")  # the reference: the adapter switched off
+
+
+@pytest.fixture(scope="module")
+def single_lora(tmp_path_factory):
+    out = run("single_process.yaml", tmp_path_factory.mktemp("single_lora"), "run", *LORA)
+    return (*curves(out), out)
+
+
+@pytest.mark.parametrize("config, stage", [("zero2.yaml", 2), ("zero3.yaml", 3)])
+def test_lora_under_zero_matches_one_process(single_lora, tmp_path, config, stage):
+    from grpo_accel.checkpoint import Checkpoint
+    from grpo_accel.export import load_policy
+
+    expected, one, one_out = single_lora
+    out = run(config, tmp_path, "run", "trainer.micro_batch_completions=64", *LORA)
+    got, summary = curves(out)
+    assert summary["zero_stage"] == stage and summary["trainable_parameters"] == one["trainable_parameters"]
+    assert 8 * one["trainable_parameters"] < one["optimizer_state_bytes_rank0"] < 8.1 * one["trainable_parameters"]
+    assert summary["optimizer_state_bytes_rank0"] < 0.55 * one["optimizer_state_bytes_rank0"]  # ZeRO splits Adam
+    assert_same_run(got, expected)
+    # the checkpoints hold the adapter only, sharded or not, and both give the same merged model
+    final = [load_policy(Checkpoint(o / "checkpoints").complete()[-1]).merge_and_unload() for o in (out, one_out)]
+    for (name, a), b in zip(final[0].state_dict().items(), final[1].state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)
+
+
 def test_zero3_with_reference_offload_and_checkpointing_matches_one_process(tmp_path):
     kl = ["loss.kl_coef=0.1"]
     expected, _ = curves(run("single_process.yaml", tmp_path, "single", *kl))
@@ -72,11 +100,11 @@ def test_zero3_with_reference_offload_and_checkpointing_matches_one_process(tmp_
     assert_same_run(got, expected)
 
 
-def test_accumulation_under_zero2(tmp_path):
-    one, _ = curves(run("zero2.yaml", tmp_path, "ga1", "trainer.micro_batch_completions=64"))
+def test_accumulation_under_zero2(single, tmp_path):
+    """Two micro-batches of 32 accumulated per process = one of 64 (which equals one process: above)."""
     two, _ = curves(run("zero2.yaml", tmp_path, "ga2", "trainer.micro_batch_completions=32",
                         "trainer.gradient_accumulation_steps=2"))
-    assert_same_run(two, one)
+    assert_same_run(two, single)
 
 
 def test_bf16_under_zero3_learns_with_finite_loss(tmp_path):

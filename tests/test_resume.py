@@ -1,5 +1,6 @@
 """Resume and preemption for real: ``accelerate launch`` runs stopped, signalled and resumed."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -37,12 +38,33 @@ def final_policy(out):
     return policy_weights(checkpoint_state_dict(last))
 
 
+@pytest.fixture(scope="module")
+def never(tmp_path_factory):
+    """The rewards setting of every run here: the signal reward, with its flag already set so it never fires."""
+    flag = tmp_path_factory.mktemp("flag") / "never"
+    flag.touch()
+    return signal_rewards(flag)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, never):
+    """``straight(config)``: the output_dir of 6 batches run straight under ``config`` (made once, shared)."""
+    made = {}
+
+    def get(config):
+        if config not in made:
+            made[config] = tmp_path_factory.mktemp("straight") / "run"
+            launch(config, [f"output_dir={made[config]}", f"trainer.total_frames={6 * BATCH}", *BASE, never])
+        return made[config]
+    return get
+
+
 @pytest.mark.parametrize("config", ["zero2.yaml", "zero3.yaml"])
-def test_stop_and_resume_equals_a_straight_run(tmp_path, config):
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    launch(config, [f"output_dir={straight}", f"trainer.total_frames={6 * BATCH}", *BASE])
-    launch(config, [f"output_dir={split}", f"trainer.total_frames={3 * BATCH}", *BASE])
-    proc = launch(config, [f"output_dir={split}", f"trainer.total_frames={6 * BATCH}", "checkpoint.resume=auto", *BASE])
+def test_stop_and_resume_equals_a_straight_run(tmp_path, straight, never, config):
+    straight, split = straight(config), tmp_path / "split"
+    launch(config, [f"output_dir={split}", f"trainer.total_frames={3 * BATCH}", *BASE, never])
+    proc = launch(config, [f"output_dir={split}", f"trainer.total_frames={6 * BATCH}", "checkpoint.resume=auto", *BASE,
+                           never])
     assert "resumed from" in proc.stderr and "at iteration 3" in proc.stderr
     assert f"total_frames: {6 * BATCH}" in (split / "config.yaml").read_text()  # written once the resume ran
     assert curves(split) == curves(straight)  # steps 1-6, bitwise; steps 4-6 come from the resumed run
@@ -50,12 +72,9 @@ def test_stop_and_resume_equals_a_straight_run(tmp_path, config):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_sigterm_on_one_rank_checkpoints_every_rank_and_exits_zero(tmp_path):
-    straight, run = tmp_path / "straight", tmp_path / "run"
+def test_sigterm_on_one_rank_checkpoints_every_rank_and_exits_zero(tmp_path, straight):
+    run = tmp_path / "run"
     rewards = signal_rewards(tmp_path / "fired")
-    (tmp_path / "never").touch()
-    launch("zero2.yaml", [f"output_dir={straight}", f"trainer.total_frames={6 * BATCH}", *BASE,
-                          signal_rewards(tmp_path / "never")])
     proc = launch("zero2.yaml", [f"output_dir={run}", f"trainer.total_frames={6 * BATCH}", *BASE, rewards])
     assert proc.returncode == 0 and (tmp_path / "fired").exists()
     summary = json.loads((run / "summary.json").read_text())
@@ -69,7 +88,7 @@ def test_sigterm_on_one_rank_checkpoints_every_rank_and_exits_zero(tmp_path):
     assert (last / "trainer_state_rank0.pt").is_file() and (last / "trainer_state_rank1.pt").is_file()
     launch("zero2.yaml", [f"output_dir={run}", f"trainer.total_frames={6 * BATCH}", *BASE, rewards,
                           "checkpoint.resume=auto"])
-    assert curves(run) == curves(straight)
+    assert curves(run) == curves(straight("zero2.yaml"))
 
 
 def test_second_signal_exits_at_once_and_keeps_earlier_checkpoints(tmp_path):
@@ -84,20 +103,20 @@ def test_second_signal_exits_at_once_and_keeps_earlier_checkpoints(tmp_path):
     assert contents(run / "checkpoints") == before  # nothing new, nothing lost
 
 
-def test_resume_with_another_process_count_says_how(tmp_path):
+def test_resume_with_another_process_count_says_how(tmp_path, straight, never):
     run = tmp_path / "run"
-    launch("zero2.yaml", [f"output_dir={run}", f"trainer.total_frames={BATCH}", *BASE])
+    shutil.copytree(straight("zero2.yaml"), run)
     before = contents(run)
-    proc = launch("zero2.yaml", [f"output_dir={run}", f"trainer.total_frames={2 * BATCH}", *BASE,
+    proc = launch("zero2.yaml", [f"output_dir={run}", f"trainer.total_frames={8 * BATCH}", *BASE, never,
                                  "checkpoint.resume=auto"], launcher_args=["--num_processes", "1"], expect_ok=False)
     assert "was written by 2 processes, this run has 1" in proc.stderr and "grpo_accel.export" in proc.stderr
     assert contents(run) == before
 
 
-def test_resume_with_other_settings_names_them(tmp_path):
+def test_resume_with_other_settings_names_them(tmp_path, straight, never):
     run = tmp_path / "run"
-    launch("single_process.yaml", [f"output_dir={run}", f"trainer.total_frames={BATCH}", *BASE])
-    proc = launch("single_process.yaml", [f"output_dir={run}", f"trainer.total_frames={2 * BATCH}", *BASE,
+    shutil.copytree(straight("zero2.yaml"), run)
+    proc = launch("single_process.yaml", [f"output_dir={run}", f"trainer.total_frames={8 * BATCH}", *BASE, never,
                                           "checkpoint.resume=auto", "rollout.group_size=4", "model.hidden_size=32"],
                   expect_ok=False)
     assert "was trained with other settings" in proc.stderr
@@ -144,15 +163,14 @@ def test_a_fresh_run_never_lands_on_another_runs_outputs(tmp_path):
     assert not (run / ".grpo_accel.lock").exists()
 
 
-def test_zero3_export_matches_the_single_process_model(tmp_path):
+def test_zero3_export_matches_the_single_process_model(tmp_path, straight, never):
     from transformers import AutoModelForCausalLM
 
     from grpo_accel.export import export_checkpoint
 
-    single, z3 = tmp_path / "single", tmp_path / "z3"
-    launch("single_process.yaml", [f"output_dir={single}", f"trainer.total_frames={3 * BATCH}", *BASE,
+    single, z3 = tmp_path / "single", straight("zero3.yaml")
+    launch("single_process.yaml", [f"output_dir={single}", f"trainer.total_frames={6 * BATCH}", *BASE, never,
                                    "trainer.micro_batch_completions=128"])  # the same global batch as 2 x 64
-    launch("zero3.yaml", [f"output_dir={z3}", f"trainer.total_frames={3 * BATCH}", *BASE])
     exported = [AutoModelForCausalLM.from_pretrained(export_checkpoint(
         Checkpoint(run / "checkpoints").complete()[-1], tmp_path / f"hf_{run.name}")) for run in (single, z3)]
     ids = torch.tensor([[7, 14, 8, 17, 9]])

@@ -311,10 +311,13 @@ def sglang_run(tmp_path, url, model_dir, config="zero3.yaml", *extra, expect_ok=
 
 
 def final_policy(out):
+    """The run's final weights as the engine serves them (a LoRA run's merged), by name."""
     from grpo_accel.checkpoint import Checkpoint
-    from grpo_accel.export import checkpoint_state_dict, policy_weights
+    from grpo_accel.export import load_policy
+    from grpo_accel.lora import is_lora
 
-    return policy_weights(checkpoint_state_dict(Checkpoint(out / "checkpoints").complete()[-1]))
+    model = load_policy(Checkpoint(out / "checkpoints").complete()[-1])
+    return (model.merge_and_unload() if is_lora(model) else model).state_dict()
 
 
 def assert_server_holds_checkpoint(url, out):
@@ -323,13 +326,14 @@ def assert_server_holds_checkpoint(url, out):
         assert torch.equal(torch.tensor(value), trained_weights[name]), name  # float32 sync: bitwise
 
 
-@pytest.mark.parametrize("version, layout", [(NEWEST, "per_tensor"), (VERSIONS[0], "flattened_bucket")])
-def test_zero3_grpo_run_keeps_the_server_weights_equal_to_the_trainer(tmp_path, model_dir, version, layout):
+@pytest.mark.parametrize("version, layout, lora", [(NEWEST, "per_tensor", ()),
+                                                   (VERSIONS[0], "flattened_bucket", ("model.lora.r=4",))])
+def test_zero3_grpo_run_keeps_the_server_weights_equal_to_the_trainer(tmp_path, model_dir, version, layout, lora):
     """Both layouts, with (0.5.23) and without (0.5.9) the update session, each through a refused update; the
-    other two pairings run in-process above."""
+    other two pairings run in-process above. The LoRA run pushes base + alpha/r * B A under the base names."""
     with standin_server(model_dir, version=version) as url:
         fail_next(url, "/update_weights_from_distributed", "refuse")
-        out, proc = sglang_run(tmp_path, url, model_dir, "zero3.yaml", f"weight_sync.layout={layout}")
+        out, proc = sglang_run(tmp_path, url, model_dir, "zero3.yaml", f"weight_sync.layout={layout}", *lora)
         state = server_state(url)
         assert_server_holds_checkpoint(url, out)
         check = subprocess.run([sys.executable, str(ROOT / "launch" / "check_sglang.py"), "--url", url, "--run",
@@ -348,6 +352,12 @@ def test_zero3_grpo_run_keeps_the_server_weights_equal_to_the_trainer(tmp_path, 
     assert len(checked) == 1 + 6, "asked once if it works; ZeRO-3 shards gathered and checked after every push"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["zero_stage"] == 3 and 0 < summary["weight_sync_peak_extra_bytes"] <= 2 * 0.05 * 2**20
+    if lora:  # the adapter trained, and what the server holds is the merge, not the base
+        from safetensors.torch import load_file
+
+        base = load_file(str(model_dir / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight"]
+        served = torch.tensor(state["params"]["model.layers.0.self_attn.q_proj.weight"])
+        assert not torch.equal(served, base)
 
 
 def test_disk_path(tmp_path, model_dir):

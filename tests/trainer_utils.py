@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from grpo_accel.lora import trainable_parameters
 from grpo_accel.loss import GRPOLoss
 from grpo_accel.rewards import RewardSet, answer_match, format_match
 from grpo_accel.rollout.collector import GRPOCollector
@@ -44,7 +45,7 @@ def make_trainer(tokenizer, model, *, prompts=4, group=4, lr=3e-3, loss_kwargs=N
     loss = RecordingLoss(model, **(loss_kwargs or {}))
     args = dict(
         collector=collector, total_frames=prompts * group * 3, loss_module=loss,
-        optimizer=torch.optim.AdamW(model.parameters(), lr=lr),
+        optimizer=torch.optim.AdamW(trainable_parameters(model), lr=lr),
         weight_sync_sender=EmbeddedWeightSync(engine), empty_replay_buffer_on_weight_update=True, seed=0,
     ) | kw
     return GRPOTrainer(**args)

@@ -213,9 +213,9 @@ class _Sender:
             return None
         if self._by_name is None:
             self._by_name = self._decide_checks()
-        named = list(self.model.named_parameters())[: self.verify_names]
-        with gathered_parameters([p for _, p in named]):
-            expected = {n: p.detach().to(self.dtype).float().cpu() for n, p in named} if self.is_sender else {}
+        weights = self.gather.weights[: self.verify_names]
+        with gathered_parameters([p for w in weights for p in w.params]):
+            expected = {w.name: w.value().to(self.dtype).float().cpu() for w in weights} if self.is_sender else {}
         probe = self._probe_ids()
         trainer_logprobs = self._probe_logprobs(probe) if self._probe_needed else None
         return self._rank0(self._compare, version, expected, probe, trainer_logprobs)
@@ -223,7 +223,7 @@ class _Sender:
     def _decide_checks(self) -> list[bool]:
         """Per server, whether its model implements /get_weights_by_name (asked once; said once where not). All
         ranks learn whether any server needs the probe: its forward is a collective under ZeRO-3."""
-        first = next(iter(self.model.named_parameters()))[0]
+        first = self.gather.weights[0].name
         by_name = []
         for client in self.clients:
             try:
