@@ -65,7 +65,7 @@ def save_trainer_payload(path: Path, weights: dict, trainer_state: dict) -> None
     os.replace(tmp, path)
 
 
-def load_trainer_payload(path: Path, weights_only: bool = True, mmap: bool = True, map_location="cpu", **_) -> dict:
+def load_trainer_payload(path: Path, weights_only: bool = True, mmap: bool = True, map_location="cpu") -> dict:
     """Read a single-file payload: ``weights_only`` and ``mmap`` on by default, tensors mapped to CPU."""
     import torch
 

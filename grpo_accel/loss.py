@@ -335,7 +335,8 @@ class GRPOLoss(nn.Module):
             ratio = log_ratio.new_ones(1)
         return {
             "clip_fraction": _masked_mean(is_clipped.float(), mask),
-            "kl_approx": _masked_mean(kl_k3(logp, old_logp), mask),  # KL(pi_old || pi), k3 estimate
+            # KL(pi || pi_old) in the GRPO paper's k3 form: pi_old/pi - log(pi_old/pi) - 1, >= 0, 0 when on-policy
+            "kl_approx": _masked_mean(kl_k3(logp, old_logp), mask),
             "ESS": effective_sample_size(log_ratio, mask),
             "entropy": _masked_mean(entropy, mask),
             "ratio_mean": ratio.mean(),

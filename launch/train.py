@@ -199,7 +199,7 @@ def summarize(trainer, wall_s: float) -> dict:
         "weight_sync_peak_extra_bytes": getattr(getattr(trainer.weight_sync_sender, "gather", None), "peak_extra_bytes", 0),
         "final_iteration": trainer.iterations,
         "weight_version": trainer.weight_version,
-        "stop_reason": trainer._stop_reason,
+        "stop_reason": trainer.stop_reason,
         "reward_first10_mean": sum(rewards[:k]) / max(k, 1),
         "reward_last10_mean": sum(rewards[-k:]) / max(k, 1),
         "wall_time_s": round(wall_s, 1),
@@ -283,6 +283,8 @@ def run(cfg: GRPOConfig, start: float) -> int:
     finally:
         if hasattr(trainer.weight_sync_sender, "close"):  # SGLang senders leave no group behind on the servers
             trainer.weight_sync_sender.close()
+        if trainer.logger is not None:  # the event files are complete, also after an error
+            trainer.logger.close()
     trainer.accelerator.wait_for_everyone()
     if main_process:
         if resuming:
@@ -291,9 +293,9 @@ def run(cfg: GRPOConfig, start: float) -> int:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         log.info("summary: %s", json.dumps(summary))
         saved = trainer.checkpoint.complete() if trainer.checkpoint is not None else []
-        if trainer._stop_reason is not None and saved:
+        if trainer.stop_reason is not None and saved:
             log.warning("stopped (%s) after %d frames, saved in %s; to continue, run the same command with "
-                        "checkpoint.resume=auto", trainer._stop_reason, trainer.frames, saved[-1])
+                        "checkpoint.resume=auto", trainer.stop_reason, trainer.frames, saved[-1])
     trainer.accelerator.end_training()
     return 0
 

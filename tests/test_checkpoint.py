@@ -112,6 +112,12 @@ def test_legacy_file_round_trip_with_load_from_file(tokenizer, tmp_path):
     with pytest.raises(Exception, match="Weights only load failed|Unsupported global"):
         torch.save({"model": {}, "trainer": object()}, tmp_path / "evil.pt")
         fresh.load_from_file(tmp_path / "evil.pt")
+    partial = torch.load(legacy, weights_only=True)
+    del partial["model"]["policy.lm_head.weight"]
+    torch.save(partial, tmp_path / "partial.pt")
+    with pytest.raises(CheckpointError, match=r"missing \['policy.lm_head.weight'\].*strict=False"):
+        fresh.load_from_file(tmp_path / "partial.pt")
+    assert fresh.load_from_file(tmp_path / "partial.pt", strict=False, mmap=False) is fresh  # the rest loads
 
 
 def test_load_from_file_accepts_a_checkpoint_folder(tokenizer, tmp_path):

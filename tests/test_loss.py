@@ -78,7 +78,9 @@ def test_sequence_ratio_is_length_normalised_and_keeps_token_gradients():
     torch.testing.assert_close(s.detach(), torch.full((1, 3), -0.25))
     s.sum().backward()
     torch.testing.assert_close(logp.grad, torch.ones(1, 3))  # d/dlogp of sg[s] + logp - sg[logp]
-    torch.testing.assert_close(token_log_ratio(logp, old, mask), logp - old)
+    # the token ratio is each token's own pi / pi_old: e^-1 / e^-1.5, e^-2 / e^-1, 1
+    ratio = token_log_ratio(logp, old, mask).detach().exp()
+    torch.testing.assert_close(ratio, torch.tensor([[math.exp(0.5), math.exp(-1.0), 1.0]]))
 
 
 def test_truncated_is_weights_and_ess():

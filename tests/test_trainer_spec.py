@@ -74,7 +74,7 @@ def test_request_stop_from_a_hook_and_from_another_thread(tokenizer, tiny_model,
     stopper.start()
     trainer.train()
     stopper.join()
-    assert trainer._stop_reason == "stopped from a thread"
+    assert trainer.stop_reason == "stopped from a thread"
     assert trainer.frames == 16 * trainer.iterations and trainer.optim_steps == trainer.iterations
     last = Checkpoint(tmp_path).complete()[-1]
     assert last.name == f"step_{trainer.iterations:08d}"  # a consistent state was saved at the boundary
