@@ -53,7 +53,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
     import torch
     from transformers import AutoTokenizer
 
-    from grpo_accel.lora import is_lora
+    from grpo_accel.lora import is_lora, merged_model
 
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     model = load_policy(checkpoint)
@@ -64,7 +64,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
         model.save_pretrained(out_dir)  # adapter_config.json + adapter_model.safetensors
         logger.info("exported the LoRA adapter of %s -> %s", checkpoint, out_dir)
         return out_dir
-    model = model.merge_and_unload() if is_lora(model) else model
+    model = merged_model(model)
     if dtype is not None:
         model = model.to(getattr(torch, dtype))
     model.save_pretrained(out_dir, safe_serialization=True)

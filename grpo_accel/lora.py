@@ -10,6 +10,7 @@ Merged weight of a targeted linear layer (the engine serves the base architectur
 from __future__ import annotations
 
 import functools
+
 import torch
 from torch import Tensor, nn
 
@@ -52,6 +53,11 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0) -> nn.Module:
 
 def is_lora(model: nn.Module) -> bool:
     return getattr(model, "peft_config", None) is not None
+
+
+def merged_model(model: nn.Module) -> nn.Module:
+    """A plain transformers model: a LoRA model's adapter merged into its base (PEFT's merge), else ``model``."""
+    return model.merge_and_unload() if is_lora(model) else model
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -43,11 +43,10 @@ def final_model(run: Path, dtype: torch.dtype):
 
     from grpo_accel.checkpoint import Checkpoint
     from grpo_accel.export import load_policy
-    from grpo_accel.lora import is_lora
+    from grpo_accel.lora import merged_model
 
     last = Checkpoint(run / "checkpoints").complete()[-1]
-    model = load_policy(last)
-    model = model.merge_and_unload() if is_lora(model) else model
+    model = merged_model(load_policy(last))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return AutoTokenizer.from_pretrained(last / "hf"), model.to(device=device, dtype=dtype).eval()
 

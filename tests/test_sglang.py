@@ -314,10 +314,9 @@ def final_policy(out):
     """The run's final weights as the engine serves them (a LoRA run's merged), by name."""
     from grpo_accel.checkpoint import Checkpoint
     from grpo_accel.export import load_policy
-    from grpo_accel.lora import is_lora
+    from grpo_accel.lora import merged_model
 
-    model = load_policy(Checkpoint(out / "checkpoints").complete()[-1])
-    return (model.merge_and_unload() if is_lora(model) else model).state_dict()
+    return merged_model(load_policy(Checkpoint(out / "checkpoints").complete()[-1])).state_dict()
 
 
 def assert_server_holds_checkpoint(url, out):
