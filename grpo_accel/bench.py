@@ -10,6 +10,12 @@ spread of each phase, generated tokens/s, training tokens/s, the training phase'
 size (the MFU, on CPU as on GPU), peak memory per process, and the trainer's overhead: its training phase
 over a bare forward/backward/step loop on the same micro-batches in the same run. Runs under every
 accelerate config; ``--items`` adds each speed item before/after (:mod:`grpo_accel.bench_items`).
+
+``--loop sync async async+worker`` instead times whole ``GRPOTrainer`` iterations (collect, score, train, push)
+of each variant, alternating the variants over ``--rounds`` in one process (one process only):
+
+    python -m grpo_accel.bench --size tiny --loop sync async+worker --prompts 2 --group 4 --kl-coef 0.04 --lr 1e-4
+
 Not a test: numbers only.
 """
 from __future__ import annotations
@@ -25,8 +31,10 @@ import time
 import torch
 
 from grpo_accel import batch as K
+from grpo_accel.config import DECODERS
 
-SIZES = {  # hidden, layers, heads, intermediate: built-in Llama sizes (random weights)
+SIZES = {  # hidden, layers, heads, intermediate: built-in Llama sizes (random weights); "tiny": build_tiny_qwen2
+    "tiny": None,
     "1m": (128, 4, 4, 512),
     "10m": (256, 8, 8, 1024),
     "30m": (512, 8, 8, 2048),
@@ -109,33 +117,30 @@ def run(args) -> dict | None:
     from grpo_accel.rollout.local import EmbeddedEngine, EmbeddedWeightSync
     from grpo_accel.runtime import configure_threads, make_accelerator
     from grpo_accel.tasks.addition import addition_rows
-    from grpo_accel.tasks.tiny import TinyModelSpec, build_char_tokenizer, build_tiny_model
     from grpo_accel.trainer import GRPOTrainer
 
-    if args.items and launch_world_size() > 1:
-        raise SystemExit("grpo_accel.bench: --items measures on one process; run it without accelerate launch "
-                         "or with accelerate_configs/single_process.yaml.")
+    if (args.items or args.loop) and launch_world_size() > 1:
+        raise SystemExit(f"grpo_accel.bench: {'--items' if args.items else '--loop'} measures on one process; run it "
+                         "without accelerate launch or with accelerate_configs/single_process.yaml.")
     preflight()
     threads = configure_threads()
     dtype = getattr(torch, args.dtype)
-    if args.model is not None:  # a saved model folder (weights and tokenizer), e.g. from model.save_pretrained
-        from grpo_accel.build import build_tokenizer_and_model
-        from grpo_accel.config import ModelConfig
-
-        tokenizer, model = build_tokenizer_and_model(ModelConfig(name_or_path=args.model, dtype=args.dtype))
-    else:
-        tokenizer = build_char_tokenizer()
-        hidden, layers, heads, inter = SIZES[args.size]
-        model = build_tiny_model(tokenizer, TinyModelSpec(hidden, layers, heads, inter, max_positions=256), seed=0)
+    tokenizer, model = _tokenizer_and_model(args)
     model = model.to(dtype)
+    n_params = sum(full_numel(p) for p in model.parameters())
     hidden = model.config.hidden_size
     bare_model = copy.deepcopy(model)  # before prepare: ZeRO-3 partitions the trainer's copy in place
     accelerator = make_accelerator()
     device = accelerator.device
-    rows = addition_rows(9)[0]
-    engine = EmbeddedEngine(model, tokenizer, max_new_tokens=args.max_new_tokens)
-    engine.generation_config.min_new_tokens = args.max_new_tokens if args.fixed_length else None
+    rows = addition_rows(49)[0]
     rewards = RewardSet({"answer_match": answer_match, "format_match": format_match})
+    if args.loop:
+        return {"size": args.model or args.size, "parameters": n_params, "threads": threads, "decoder": args.decoder,
+                "prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens,
+                "kl_coef": args.kl_coef, "lr": args.lr, "steps": args.steps, "rounds": args.rounds,
+                "loop": loop(args, model, tokenizer, rows, rewards, accelerator)}
+    engine = EmbeddedEngine(model, tokenizer, max_new_tokens=args.max_new_tokens, decoder=args.decoder)
+    engine.settings.min_new_tokens = args.max_new_tokens if args.fixed_length else 0
     collector = GRPOCollector(engine, tokenizer, rows, rewards, prompts_per_batch=args.prompts, group_size=args.group)
     loss = GRPOLoss(model, packing=args.packing)
     trainer = GRPOTrainer(collector=collector, total_frames=10**9, loss_module=loss,
@@ -143,7 +148,6 @@ def run(args) -> dict | None:
                           weight_sync_sender=EmbeddedWeightSync(engine), empty_replay_buffer_on_weight_update=True,
                           accelerator=accelerator)
     bare = BareLoop(accelerator, bare_model, torch.optim.AdamW(bare_model.parameters(), lr=1e-5))
-    n_params = sum(full_numel(p) for p in model.parameters())
     phases: dict[str, list[float]] = {k: [] for k in ("generate", "reward", "logprob_pass", "train", "bare_train")}
     tokens = {"generated": [], "trained": []}
     for step in range(args.warmup + args.steps):
@@ -184,6 +188,7 @@ def run(args) -> dict | None:
         "mfu_bare": flops_train / median["bare_train"] / peak,
         "mfu_logprob_pass": 2 * n_params * trained / median["logprob_pass"] / peak,
         "trainer_overhead": median["train"] / median["bare_train"],
+        "trainer_overhead_s": median["train"] - median["bare_train"],
         "peak_memory_mb_per_process": _peak_memory_per_process(accelerator, device),
     }
     if args.items:
@@ -195,6 +200,77 @@ def run(args) -> dict | None:
     return result if accelerator.is_main_process else None
 
 
+def _tokenizer_and_model(args):
+    """(tokenizer, model): a saved model folder (``--model``) or a built-in size (random weights)."""
+    from grpo_accel.tasks.tiny import TinyModelSpec, build_char_tokenizer, build_tiny_model, build_tiny_qwen2
+
+    if args.model is not None:  # weights and tokenizer, e.g. from save_pretrained
+        from grpo_accel.build import build_tokenizer_and_model
+        from grpo_accel.config import ModelConfig
+
+        return build_tokenizer_and_model(ModelConfig(name_or_path=args.model, dtype=args.dtype))
+    tokenizer = build_char_tokenizer()
+    if args.size == "tiny":
+        return tokenizer, build_tiny_qwen2(tokenizer, seed=0)
+    hidden, layers, heads, inter = SIZES[args.size]
+    return tokenizer, build_tiny_model(tokenizer, TinyModelSpec(hidden, layers, heads, inter, max_positions=256), seed=0)
+
+
+LOOP_VARIANTS = ("sync", "async", "async+worker")  # async: trainer.async_collection; +worker: rollout.embedded_worker
+
+
+def loop(args, model, tokenizer, rows: list[dict], rewards, accelerator) -> dict[str, dict]:
+    """Whole GRPOTrainer iterations per variant: each round runs every variant for ``warmup + steps`` iterations
+    from the same initial weights and seed; the step time is the wall time between iteration ends (the wait for
+    a background batch included). Returns per variant: median step, generation and optimisation times, mean
+    completion tokens, and the first iteration's time (compilation, worker start)."""
+    times: dict[str, dict[str, list[float]]] = {
+        v: {"step": [], "generate": [], "optimise": [], "tokens": [], "first": []} for v in args.loop}
+    for _ in range(args.rounds):
+        for variant in args.loop:
+            trainer, engine = _loop_trainer(args, variant, model, tokenizer, rows, rewards, accelerator)
+            ends: list[float] = []
+            trainer.register_op("post_iteration", lambda t: ends.append(time.perf_counter()), "bench_step_end")
+            start = time.perf_counter()
+            try:
+                trainer.train()
+            finally:
+                engine.close()
+            got = times[variant]
+            got["first"].append(ends[0] - start)
+            steps = [b - a for a, b in zip(ends[args.warmup:], ends[args.warmup + 1:])]
+            got["step"] += steps
+            measured = trainer.history[args.warmup + 1:]
+            got["generate"] += [h["time/generate"] for h in measured]
+            got["optimise"] += [h["time/iteration"] for h in measured]
+            got["tokens"] += [h["train/completion_length_mean"] for h in measured]
+    return {v: {"step_s": statistics.median(t["step"]), "steps_per_s": 1 / statistics.median(t["step"]),
+                "generate_s": statistics.median(t["generate"]), "optimise_s": statistics.median(t["optimise"]),
+                "completion_tokens_mean": statistics.mean(t["tokens"]), "first_iteration_s": statistics.median(t["first"]),
+                "measured_steps": len(t["step"])} for v, t in times.items()}
+
+
+def _loop_trainer(args, variant: str, model, tokenizer, rows, rewards, accelerator):
+    from grpo_accel.loss import GRPOLoss
+    from grpo_accel.rollout.collector import GRPOCollector
+    from grpo_accel.rollout.local import EmbeddedEngine, EmbeddedWeightSync
+    from grpo_accel.trainer import GRPOTrainer
+
+    policy = copy.deepcopy(model)
+    asynchronous = variant != "sync"
+    engine = EmbeddedEngine(copy.deepcopy(policy) if asynchronous else policy, tokenizer,
+                            max_new_tokens=args.max_new_tokens, decoder=args.decoder, worker=variant == "async+worker")
+    collector = GRPOCollector(engine, tokenizer, rows, rewards, prompts_per_batch=args.prompts, group_size=args.group)
+    loss = GRPOLoss(policy, copy.deepcopy(model) if args.kl_coef else None, kl_coef=args.kl_coef)
+    trainer = GRPOTrainer(
+        collector=collector, total_frames=(args.warmup + args.steps + 1) * args.prompts * args.group, loss_module=loss,
+        optimizer=torch.optim.AdamW(policy.parameters(), lr=args.lr), batch_size=args.micro_batch,
+        weight_sync_sender=EmbeddedWeightSync(engine, source=policy if asynchronous else None),
+        empty_replay_buffer_on_weight_update=True, async_collection=asynchronous, log_timings=True, seed=0,
+        accelerator=accelerator, log_samples=0)
+    return trainer, engine
+
+
 def _peak_memory_per_process(accelerator, device: torch.device) -> list[float]:
     """Peak memory of each process in MB (CUDA allocator peak, or the resident-set high-water mark)."""
     mine = (torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda"
@@ -203,6 +279,8 @@ def _peak_memory_per_process(accelerator, device: torch.device) -> list[float]:
 
 
 def table(result: dict) -> str:
+    if "loop" in result:
+        return loop_table(result)
     lines = [f"model {result['size']} ({result['parameters'] / 1e6:.1f}M params, {result['dtype']}, "
              f"{result['device']}, {result['threads']} threads), {result['prompts']} prompts x {result['group']} "
              f"per process, {result['processes']} process(es), {result['distributed_type']} ZeRO-"
@@ -215,7 +293,8 @@ def table(result: dict) -> str:
               f"{result['train_tokens_per_s']:.0f}",
               f"MFU train {result['mfu_train']:.3f}   bare loop {result['mfu_bare']:.3f}   logprob pass "
               f"{result['mfu_logprob_pass']:.3f}   (peak {result['peak_flops'] / 1e9:.1f} GFLOP/s measured)",
-              f"trainer overhead {result['trainer_overhead']:.3f} x bare Accelerate loop   peak memory per process "
+              f"trainer overhead {result['trainer_overhead']:.3f} x bare Accelerate loop "
+              f"({result['trainer_overhead_s'] * 1e3:+.1f} ms per batch)   peak memory per process "
               + " / ".join(f"{mb:.0f}" for mb in result["peak_memory_mb_per_process"]) + " MB"]
     if "items" in result:
         from grpo_accel.bench_items import items_table
@@ -224,9 +303,21 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def loop_table(result: dict) -> str:
+    lines = [f"model {result['size']} ({result['parameters']:,} params, {result['threads']} threads), "
+             f"{result['prompts']} prompts x {result['group']}, up to {result['max_new_tokens']} new tokens, kl_coef "
+             f"{result['kl_coef']}, decoder {result['decoder']}, {result['rounds']} rounds x {result['steps']} steps",
+             f"{'variant':<14}{'step s':>9}{'steps/s':>9}{'generate s':>12}{'optimise s':>12}{'tokens':>8}{'first s':>9}"]
+    for name, r in result["loop"].items():
+        lines.append(f"{name:<14}{r['step_s']:>9.4f}{r['steps_per_s']:>9.1f}{r['generate_s']:>12.4f}"
+                     f"{r['optimise_s']:>12.4f}{r['completion_tokens_mean']:>8.1f}{r['first_iteration_s']:>9.2f}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", choices=sorted(SIZES), default="1m", help="built-in Llama size (random weights)")
+    parser.add_argument("--size", choices=list(SIZES), default="1m",
+                        help="built-in size (random weights): tiny = the 82k Qwen2 of the TRL comparison, else Llama")
     parser.add_argument("--model", help="a model folder (weights + tokenizer) to benchmark instead of --size")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
@@ -239,6 +330,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--packing", action="store_true", help="train with GRPOLoss(packing=True) (padding-free)")
     parser.add_argument("--items", action="store_true",
                         help="also measure each speed item before/after in this run (one process)")
+    parser.add_argument("--decoder", choices=DECODERS, default="auto",
+                        help="the embedded engine's decode path (rollout.decoder)")
+    parser.add_argument("--loop", nargs="+", choices=LOOP_VARIANTS,
+                        help="time whole trainer iterations of these variants instead of the phases")
+    parser.add_argument("--rounds", type=int, default=1, help="--loop: alternate the variants this many times")
+    parser.add_argument("--kl-coef", type=float, default=0.0, help="--loop: KL weight (> 0 adds the reference pass)")
+    parser.add_argument("--lr", type=float, default=1e-5, help="--loop: AdamW learning rate")
     parser.add_argument("--out", help="write the result as JSON here")
     args = parser.parse_args(argv)
     result = run(args)

@@ -29,6 +29,9 @@ def _check(ok: bool, key: str, value: Any, fix: str) -> None:
         raise ConfigError(f"{key}={value!r}: {fix}")
 
 
+DECODERS = ("auto", "fast", "compiled", "generate")  # the embedded engine's decode paths (rollout.decoder)
+
+
 def _choice(key: str, value: Any, options: tuple) -> None:
     _check(value in options, key, value, f"must be one of {list(options)}.")
 
@@ -149,6 +152,13 @@ class RolloutConfig:
     """Drop groups whose rewards all tie and sample more prompts to refill the batch (DAPO)."""
     max_extra_rounds: int = 4
     """Dynamic sampling: extra generation rounds per batch at most; tied groups fill what is still missing."""
+    decoder: str = "auto"
+    """Embedded: "fast" (the model's forward in grpo_accel's decode loop), "compiled" (the same, the forward under
+    torch.compile: seconds to minutes at start, then faster steps), "generate" (transformers' generate), "auto"
+    (fast unless the model has sliding-window or linear attention). Same tokens for the same seeds."""
+    embedded_worker: bool = False
+    """Embedded, with trainer.async_collection on CPU: decode in a worker process of its own, so that generation
+    runs on another core beside training (in one process they take turns on Python's interpreter lock)."""
     zero3_gather_full: bool = False
     """ZeRO-3 only: gather the whole policy once around generation (every rank then holds the full model)
     instead of DeepSpeed fetching each module's shards at every decoding step (memory bounded by a module)."""
@@ -166,6 +176,9 @@ class RolloutConfig:
         _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]; 1.0 turns it off.")
         _check(self.top_k >= 0, "rollout.top_k", self.top_k, "must be >= 0; 0 turns it off.")
         _check(self.max_extra_rounds >= 0, "rollout.max_extra_rounds", self.max_extra_rounds, "must be >= 0.")
+        _choice("rollout.decoder", self.decoder, DECODERS)
+        _check(not self.embedded_worker or self.backend == "embedded", "rollout.embedded_worker", self.embedded_worker,
+               "a decode worker belongs to the embedded engine; set rollout.backend=embedded or drop it.")
 
     @property
     def completions_per_step(self) -> int:
@@ -395,6 +408,9 @@ class GRPOConfig:
         _check(bool(self.rewards), "rewards", self.rewards, "list at least one reward function.")
         names = [r.name for r in self.rewards]
         _check(len(set(names)) == len(names), "rewards", names, "each reward function may appear once.")
+        _check(not self.rollout.embedded_worker or self.trainer.async_collection, "rollout.embedded_worker",
+               self.rollout.embedded_worker, "a decode worker runs beside training only with "
+               "trainer.async_collection=true (synchronous GRPO waits for generation anyway); set both or neither.")
 
     def check_batch_layout(self, num_processes: int) -> None:
         """completions per step must split into processes x micro-batches x accumulation."""

@@ -172,8 +172,10 @@ def build_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
 
     # Async collection generates while the policy is updated, so the engine needs its own copy of the weights.
     engine_model = copy.deepcopy(model) if cfg.trainer.async_collection else model
+    if r.embedded_worker:  # the worker decodes on cores of its own: the trainer and the worker split them
+        torch.set_num_threads(max(1, torch.get_num_threads() // 2))
     engine = EmbeddedEngine(engine_model, tokenizer, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                            top_p=r.top_p, top_k=r.top_k,
+                            top_p=r.top_p, top_k=r.top_k, decoder=r.decoder, worker=r.embedded_worker,
                             gather=(lambda: gathered_parameters(model.parameters())) if r.zero3_gather_full else None)
     return engine, EmbeddedWeightSync(engine, source=model)
 
@@ -283,6 +285,8 @@ def run(cfg: GRPOConfig, start: float) -> int:
     finally:
         if hasattr(trainer.weight_sync_sender, "close"):  # SGLang senders leave no group behind on the servers
             trainer.weight_sync_sender.close()
+        if hasattr(trainer.collector.engine, "close"):  # the embedded engine's decode worker, if any
+            trainer.collector.engine.close()
         if trainer.logger is not None:  # the event files are complete, also after an error
             trainer.logger.close()
     trainer.accelerator.wait_for_everyone()

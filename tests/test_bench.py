@@ -11,7 +11,7 @@ SMALL = ["--size", "1m", "--steps", "2", "--warmup", "1", "--prompts", "2", "--g
          "--micro-batch", "4"]
 ITEMS = {"old logprobs from the rollout", "no reference pass at kl_coef=0", "micro-batch trimmed to its longest row",
          "padding-free packed training", "chunked logprobs: peak memory", "chunked logprobs: time",
-         "generation batched over prompts x group", "generation with the KV cache",
+         "generation batched over prompts x group", "decode loop (rollout.decoder=fast)",
          "generation stops when all finished", "torch threads from the cores"}
 
 

@@ -2,16 +2,24 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
-from typing import Callable, ContextManager
+from typing import TYPE_CHECKING, Callable, ContextManager
 
 import torch
 from tensordict import TensorDict
-from torch import nn
+from torch import Tensor, nn
 
 from grpo_accel import batch as K
+from grpo_accel.config import DECODERS
 from grpo_accel.logprobs import selected_logprobs
 from grpo_accel.rollout.sampling import KeyedSampler
+
+if TYPE_CHECKING:
+    from grpo_accel.rollout.decode import Decoder
+    from grpo_accel.rollout.worker import DecodeWorker
+
+logger = logging.getLogger(__name__)
 
 
 class EmbeddedEngine:
@@ -26,6 +34,15 @@ class EmbeddedEngine:
         tokenizer: gives ``pad_token_id`` and ``eos_token_id``.
         max_new_tokens: completion budget; a completion that reaches it finishes with reason "length".
         gather: context manager factory entered around generation (gathers ZeRO-3 shards); none by default.
+        decoder: "fast" decodes with :class:`grpo_accel.rollout.decode.Decoder` (the model's forward in a lean
+            loop), "compiled" the same with the forward under ``torch.compile`` (a slow first call, then faster
+            steps), "generate" with transformers' ``generate``; "auto" takes "fast" when the model allows it (see
+            :func:`~grpo_accel.rollout.decode.unsupported_reason`). All draw the same tokens for the same keys
+            (compiled kernels round differently in low precision, so a near-tie can flip a draw there).
+        worker: decode in a process of its own (:class:`~grpo_accel.rollout.worker.DecodeWorker`, started at the
+            first ``generate``), on ``model``'s weights in shared memory: for asynchronous collection on CPU,
+            where generation then runs beside training instead of taking turns with it. ``model`` must be the
+            engine's own copy (updated in place by :class:`EmbeddedWeightSync`). Call :meth:`close` at the end.
 
     Example:
         >>> engine = EmbeddedEngine(model, tokenizer, max_new_tokens=4)
@@ -42,20 +59,37 @@ class EmbeddedEngine:
         top_p: float = 1.0,
         top_k: int = 0,
         gather: Callable[[], ContextManager] | None = None,
+        decoder: str = "auto",
+        worker: bool = False,
     ) -> None:
-        from transformers import GenerationConfig
+        from grpo_accel.rollout.decode import DecodeSettings, unsupported_reason
 
-        self.model, self.temperature, self.top_k, self.top_p = model, float(temperature), top_k, top_p
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.eos_id = tokenizer.eos_token_id
-        self.gather = gather or contextlib.nullcontext
+        if decoder not in DECODERS:
+            raise ValueError(f"EmbeddedEngine: decoder={decoder!r} is not one of {DECODERS}.")
+        reason = unsupported_reason(model)
+        if decoder in ("fast", "compiled") and reason is not None:
+            raise ValueError(f"EmbeddedEngine: decoder={decoder!r} cannot decode this model: {reason}; use 'auto' or "
+                             "'generate' (transformers' generate).")
+        if decoder == "auto" and reason is not None:
+            logger.info("embedded engine: transformers' generate decodes this model (%s)", reason)
+        self.fast = decoder != "generate" and reason is None
+        if worker and (not self.fast or gather is not None or next(model.parameters()).device.type != "cpu"):
+            raise ValueError("EmbeddedEngine: worker=True decodes a CPU model with the fast decoder and no ZeRO-3 "
+                             f"gather (here: decoder={decoder!r}{f' ({reason})' if reason else ''}, gather="
+                             f"{gather is not None}, device {next(model.parameters()).device}); use worker=False.")
+        self.compiled = decoder == "compiled"
+        self.decoder: Decoder | None = None  # the in-process decode loop, built at the first generate
+        self.worker: DecodeWorker | None = None
+        self.use_worker = worker
+        self.model, self.gather = model, gather or contextlib.nullcontext
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.settings = DecodeSettings(max_new_tokens, tokenizer.eos_token_id, pad_id, float(temperature), top_k, top_p)
         self.weight_version = 0
         self.lock = threading.Lock()  # held while generating; a weight update waits for it (SGLang's writer lock)
-        # Sampling is done by KeyedSampler (temperature, filters, keyed Gumbel noise) on top of greedy decoding.
-        self.generation_config = GenerationConfig(
-            do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
-            output_logits=True, return_dict_in_generate=True,
-        )
+
+    @property
+    def pad_id(self) -> int:
+        return self.settings.pad_id
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int] | None = None,
@@ -66,41 +100,33 @@ class EmbeddedEngine:
         is the same whatever else is generated with it. Without seeds, they are drawn from torch's RNG.
         ``greedy`` takes the most likely token instead of sampling (evaluation).
         """
-        repeated = [p for p in prompt_ids for _ in range(group_size)]
-        ids = K.pad_sequences(repeated, self.pad_id, "left")  # [N, P]
-        mask = K.pad_sequences([[1] * len(p) for p in repeated], 0, "left")
+        s = self.settings
+        ids = K.pad_sequences(prompt_ids, s.pad_id, "left")  # [P, L]
+        mask = K.pad_sequences([[1] * len(p) for p in prompt_ids], 0, "left")
         if seeds is None:
             seeds = torch.randint(0, 2**56, (len(prompt_ids),)).tolist()
-        keys = torch.tensor([s * group_size + j for s in seeds for j in range(group_size)], dtype=torch.long)
-        sampler = KeyedSampler(keys, ids.shape[1], self.temperature, self.top_k, self.top_p)
+        keys = None if greedy else torch.tensor([k * group_size + j for k in seeds for j in range(group_size)])
         device = next(self.model.parameters()).device
         with self.lock:
             was_training = self.model.training
             self.model.eval()
             try:
                 with self.gather():
-                    out = self.model.generate(
-                        input_ids=ids.to(device), attention_mask=mask.to(device),
-                        generation_config=self.generation_config, logits_processor=[] if greedy else [sampler],
-                    )
+                    decode = self._decode if self.fast else self._generate
+                    completion, logprobs = decode(ids.to(device), mask.to(device), group_size, keys)  # [N, C] each
             finally:
                 self.model.train(was_training)
             version = self.weight_version
-        completion = out.sequences[:, ids.shape[1] :]  # [N, C]
-        is_eos = completion == self.eos_id
+        is_eos = completion == s.eos_id
         after_eos = (is_eos.long().cumsum(1) - is_eos.long()) > 0  # strictly after the first EOS
         completion_mask = (~after_eos).long()
-        logprobs = torch.stack(  # one step at a time: never a [N, C, V] float32 tensor
-            [selected_logprobs(step[:, None], completion[:, t, None], self.temperature)[:, 0] for t, step in enumerate(out.logits)],
-            dim=1,
-        ) if out.logits else torch.zeros(completion.shape)
         finish = torch.where(is_eos.any(1), K.FINISH_STOP, K.FINISH_LENGTH)
-        n = len(repeated)
+        n = completion.shape[0]
         return TensorDict(
             {
-                K.PROMPT_IDS: ids,
-                K.PROMPT_MASK: mask,
-                K.COMPLETION_IDS: completion.where(completion_mask.bool(), self.pad_id).cpu(),
+                K.PROMPT_IDS: ids.repeat_interleave(group_size, 0),
+                K.PROMPT_MASK: mask.repeat_interleave(group_size, 0),
+                K.COMPLETION_IDS: completion.where(completion_mask.bool(), s.pad_id).cpu(),
                 K.COMPLETION_MASK: completion_mask.cpu(),
                 K.ENGINE_LOGPROBS: (logprobs * completion_mask).float().cpu(),
                 K.FINISH_REASON: finish.cpu(),
@@ -108,6 +134,41 @@ class EmbeddedEngine:
             },
             batch_size=[n],
         )
+
+    def close(self) -> None:
+        """Stop the decode worker, if one runs."""
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+
+    def _decode(self, ids: Tensor, mask: Tensor, group_size: int, keys: Tensor | None) -> tuple[Tensor, Tensor]:
+        if self.use_worker and self.worker is None:
+            from grpo_accel.rollout.worker import DecodeWorker
+
+            self.worker = DecodeWorker(self.model, self.compiled, threads=torch.get_num_threads())
+        elif not self.use_worker and self.decoder is None:
+            from grpo_accel.rollout.decode import Decoder
+
+            self.decoder = Decoder(self.model, self.compiled)
+        return (self.worker or self.decoder)(ids, mask, group_size, keys, self.settings)
+
+    def _generate(self, ids: Tensor, mask: Tensor, group_size: int, keys: Tensor | None) -> tuple[Tensor, Tensor]:
+        """transformers' ``generate`` with the keyed sampler as its logits processor: (completion, logprobs)."""
+        from transformers import GenerationConfig
+
+        s = self.settings
+        config = GenerationConfig(do_sample=False, max_new_tokens=s.max_new_tokens, min_new_tokens=s.min_new_tokens or None,
+                                  eos_token_id=s.eos_id, pad_token_id=s.pad_id, output_logits=True,
+                                  return_dict_in_generate=True)
+        ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)  # [N, L]
+        processors = [] if keys is None else [KeyedSampler(keys, ids.shape[1], s.temperature, s.top_k, s.top_p)]
+        out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=processors)
+        completion = out.sequences[:, ids.shape[1] :]  # [N, C]
+        logprobs = torch.stack(  # one step at a time: never a [N, C, V] float32 tensor
+            [selected_logprobs(step[:, None], completion[:, t, None], s.temperature)[:, 0] for t, step in enumerate(out.logits)],
+            dim=1,
+        )
+        return completion, logprobs
 
 
 class EmbeddedWeightSync:

@@ -26,17 +26,18 @@ def _shr(x: Tensor, bits: int) -> Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def keyed_uniform(keys: Tensor, step: int, vocab: int) -> Tensor:  # keys [N] int64 -> [N, V] float64 in (0, 1)
+def keyed_uniform(keys: Tensor, steps: Tensor, vocab: int) -> Tensor:  # [N], [S] -> [N, S, V] float64 in (0, 1)
     """splitmix64 of (key, step, token): independent uniforms per row, step and token."""
-    x = keys[:, None] * _i64(_GOLDEN) + _i64(step * _STEP) + torch.arange(vocab, device=keys.device)[None, :]
+    arange = torch.arange(vocab, device=keys.device)
+    x = keys[:, None, None] * _i64(_GOLDEN) + (steps.to(keys.device) * _i64(_STEP))[None, :, None] + arange
     x = (x ^ _shr(x, 30)) * _i64(_MIX1)  # int64 multiplication wraps: exactly the uint64 product's bits
     x = (x ^ _shr(x, 27)) * _i64(_MIX2)
     x = x ^ _shr(x, 31)
     return (_shr(x, 11).double() + 0.5) / float(1 << 53)
 
 
-def keyed_gumbel(keys: Tensor, step: int, vocab: int) -> Tensor:  # [N] -> [N, V] float32
-    return -torch.log(-torch.log(keyed_uniform(keys, step, vocab))).float()
+def keyed_gumbel(keys: Tensor, steps: Tensor, vocab: int) -> Tensor:  # [N], [S] -> [N, S, V] float32
+    return -torch.log(-torch.log(keyed_uniform(keys, steps, vocab))).float()
 
 
 class KeyedSampler:
@@ -51,6 +52,11 @@ class KeyedSampler:
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:  # [N, L], [N, V] -> [N, V]
+        step = torch.tensor([input_ids.shape[1] - self.prompt_width])
+        return self.filtered(scores) + keyed_gumbel(self.keys.to(scores.device), step, scores.shape[-1])[:, 0]
+
+    def filtered(self, scores: Tensor) -> Tensor:  # [N, V] -> [N, V] float32
+        """``scores / temperature`` with top-k / top-p applied: adding the keyed noise and taking the argmax draws."""
         z = scores.float() / self.temperature
         if self.top_k:
             kth = z.topk(min(self.top_k, z.shape[-1]), dim=-1).values[:, -1:]
@@ -60,5 +66,4 @@ class KeyedSampler:
             cum = sorted_z.softmax(-1).cumsum(-1)
             drop_sorted = cum - sorted_z.softmax(-1) > self.top_p  # keep the smallest prefix reaching top_p
             z = z.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-        step = input_ids.shape[1] - self.prompt_width
-        return z + keyed_gumbel(self.keys.to(z.device), step, z.shape[-1])
+        return z

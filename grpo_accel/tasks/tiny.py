@@ -1,4 +1,4 @@
-"""A character-level tokenizer made in code and a tiny Llama built from a config (random weights)."""
+"""A character-level tokenizer made in code and tiny models (Llama, Qwen2) built from a config (random weights)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,3 +63,19 @@ def build_tiny_model(tokenizer, spec: TinyModelSpec | None = None, seed: int | N
     if seed is not None:
         torch.manual_seed(seed)
     return LlamaForCausalLM(config)
+
+
+def build_tiny_qwen2(tokenizer, seed: int | None = None):
+    """The speed comparison's model (82,496 parameters): a ``Qwen2ForCausalLM`` with hidden 64, intermediate 128,
+    2 layers, 4 heads, 2 key/value heads, a vocabulary of 128 and tied embeddings (random weights)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    if seed is not None:
+        torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)

@@ -1,0 +1,294 @@
+"""The embedded engine's decode loop: the model's own forward, a lean loop around it.
+
+``generate`` in transformers spends most of a small model's decode step outside the model: it re-creates the
+attention mask from the 2-D padding mask, grows the key/value cache by concatenation, and runs its logits
+processors and stopping criteria one by one. This loop keeps the model's forward (any causal LM whose layers
+all use full attention) and does the rest once:
+
+- one prefill per prompt: the G completions of a prompt copy its keys and values instead of recomputing them;
+- a key/value cache allocated once for the whole completion budget, written in place (:class:`BudgetCache`);
+- the attention mask as a slice of one boolean buffer, passed in 4-D form, so the model builds no mask of its
+  own;
+- the keyed sampler and the logprob of the drawn token in the same step;
+- finished rows leave the batch once they are half of it (the cache rows are compacted).
+
+The draws are those of :class:`~grpo_accel.rollout.sampling.KeyedSampler` under ``generate``: the same keys give
+the same tokens, and the reported logprobs are ``log_softmax(logits / temperature)`` at the drawn token (before
+top-k/top-p), as SGLang reports them.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from grpo_accel.logprobs import position_ids_from_mask
+from grpo_accel.rollout.sampling import KeyedSampler, keyed_gumbel
+
+MASK_FORMATS = {"sdpa": "bool", "eager": "additive"}  # attention implementations this loop builds masks for
+
+
+@dataclass
+class DecodeSettings:
+    """What to draw: the budget, the sampler's settings and the stop token."""
+
+    max_new_tokens: int
+    eos_id: int
+    pad_id: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_new_tokens: int = 0  # EOS is not drawn before this many tokens (the benchmark's fixed-length mode)
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why this loop cannot decode ``model`` (then transformers' ``generate`` does), or None when it can."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        return "not a decoder-only transformers model"
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and set(layer_types) != {"full_attention"}:
+        return f"its layers are not all full attention ({sorted(set(layer_types))})"
+    if layer_types is None and getattr(config, "sliding_window", None) is not None:
+        return f"it has a sliding window ({config.sliding_window})"
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in MASK_FORMATS:
+        return f"attention implementation {implementation!r} (this loop builds masks for {sorted(MASK_FORMATS)})"
+    try:
+        BudgetCache(1, 1)
+    except TypeError as exc:  # another transformers release asks more of a cache layer
+        return f"this transformers release's Cache interface ({exc})"
+    return None
+
+
+class _BudgetLayer(CacheLayerMixin):
+    """One layer's keys and values in buffers [rows, heads, capacity, head_dim], written in place."""
+
+    def __init__(self, owner: "BudgetCache") -> None:
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        rows, heads, _, _ = key_states.shape
+        self.keys = key_states.new_zeros(rows, heads, self.owner.capacity, key_states.shape[-1])
+        self.values = value_states.new_zeros(rows, heads, self.owner.capacity, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, end = self.owner.length, self.owner.length + key_states.shape[-2]
+        self.keys[:, :, start:end] = key_states
+        self.values[:, :, start:end] = value_states
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.length
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+    get_max_cache_shape = get_max_length  # the name of transformers < 5
+
+    def take_rows(self, rows: Tensor) -> None:  # rows [M] long, repeats allowed
+        self.keys, self.values = self.keys.index_select(0, rows), self.values.index_select(0, rows)
+
+
+class BudgetCache(Cache):
+    """A transformers ``Cache`` sized once for prompt + completion budget; ``length`` tokens are filled.
+
+    Every layer writes at ``length``; the loop advances it after each forward (:meth:`advance`).
+    """
+
+    def __init__(self, num_layers: int, capacity: int) -> None:
+        self.capacity, self.length = capacity, 0
+        super().__init__(layers=[_BudgetLayer(self) for _ in range(num_layers)])
+
+    def advance(self, tokens: int) -> None:
+        self.length += tokens
+
+    def take_rows(self, rows: Tensor) -> None:
+        """Keep (or repeat) cache rows: ``rows`` [M] indexes the current rows."""
+        for layer in self.layers:
+            layer.take_rows(rows)
+
+
+class Decoder:
+    """The decode loop bound to one model: its forward (under ``torch.compile`` when ``compiled``) and its mask
+    format, set up once.
+
+    ``compiled`` compiles the model's forward with inductor and dynamic shapes (one graph for the prefill, one
+    for the decode steps, whatever the lengths and batch). The first call then takes seconds to minutes; each
+    decode step after it runs a fraction of the eager dispatch cost. The graph reads the parameters as inputs,
+    so in-place weight updates are seen.
+
+    Example:
+        >>> decoder = Decoder(model)
+        >>> tokens, logprobs = decoder(prompt_ids, prompt_mask, 8, keys, DecodeSettings(32, eos_id, pad_id))
+    """
+
+    def __init__(self, model: nn.Module, compiled: bool = False) -> None:
+        self.model = model
+        implementation = model.config._attn_implementation
+        self.mask_dtype = next(model.parameters()).dtype if MASK_FORMATS[implementation] == "additive" else None
+        cache_arg = "cache" if "cache" in inspect.signature(_transformers_model(model).forward).parameters else "past_key_values"
+
+        def forward(ids: Tensor, mask: Tensor, positions: Tensor, cache: BudgetCache) -> Tensor:  # -> [B, V]
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                        logits_to_keep=1, **{cache_arg: cache})
+            return out.logits[:, -1]
+
+        self.forward = torch.compile(forward, dynamic=True) if compiled else forward
+        self.synced = _zero3_group()
+
+    def _everywhere(self, finished: bool) -> bool:
+        """Whether every process finished. Under ZeRO-3 each forward gathers parameters from all processes, so
+        all of them run the same number of steps: one that finished keeps stepping until the last one has (as
+        ``generate(synced_gpus=True)`` does). Elsewhere a process decides alone."""
+        if not self.synced:
+            return finished
+        import torch.distributed as dist
+
+        unfinished = torch.tensor([0.0 if finished else 1.0], device=next(self.model.parameters()).device)
+        dist.all_reduce(unfinished)
+        return float(unfinished) == 0.0
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        prompt_ids: Tensor,  # [P, L] left-padded, one row per prompt
+        prompt_mask: Tensor,  # [P, L]
+        group_size: int,
+        keys: Tensor | None,  # [P * G] sampling keys, None for greedy
+        settings: DecodeSettings,
+    ) -> tuple[Tensor, Tensor]:  # completions [P * G, C] (pad after EOS), logprobs [P * G, C] (float32 or wider)
+        """Sample ``group_size`` completions per prompt; C is the longest completion (at most the budget)."""
+        device = prompt_ids.device
+        prompts, width = prompt_ids.shape
+        rows = prompts * group_size
+        budget = settings.max_new_tokens
+        cache = BudgetCache(self.model.config.num_hidden_layers, width + budget)
+        visible = torch.ones(rows, width + budget, dtype=torch.bool, device=device)  # [N, L + C] keys a row may see
+        visible[:, :width] = prompt_mask.bool().repeat_interleave(group_size, 0)
+        positions = position_ids_from_mask(prompt_mask)  # [P, L]
+
+        logits = self.forward(prompt_ids, self._mask(_prefill_mask(prompt_mask)), positions, cache)  # [P, V]
+        cache.advance(width)
+        cache.take_rows(torch.arange(prompts, device=device).repeat_interleave(group_size))
+        logits = logits.repeat_interleave(group_size, 0)  # [N, V]
+        draw = _Draws(keys, settings, logits.shape[-1])
+        next_position = positions[:, -1:].repeat_interleave(group_size, 0) + 1  # [N, 1]
+
+        live = torch.arange(rows, device=device)  # [M] the batch rows still decoding, in batch order
+        done = torch.zeros(rows, dtype=torch.bool, device=device)  # [M]
+        drawn: list[tuple[Tensor, Tensor, Tensor]] = []  # (live rows, token [M], logprob [M]) per step
+        for step in range(budget):
+            token, logprob = draw(logits, step)  # [M], [M]; rows already done draw garbage, masked at the end
+            drawn.append((live, token, logprob))
+            done = done | (token == settings.eos_id)
+            finished = int(done.sum())
+            if step + 1 == budget or self._everywhere(finished == done.numel()):
+                break
+            if done.numel() > finished and 2 * finished >= done.numel():  # compact: the finished half leaves
+                keep = (~done).nonzero().squeeze(1)
+                cache.take_rows(keep)
+                live, done, token, next_position, visible = (t[keep] for t in (live, done, token, next_position, visible))
+                draw.keep(keep)
+            mask = self._mask(visible[:, None, None, : cache.length + 1])
+            logits = self.forward(token[:, None], mask, next_position, cache)
+            cache.advance(1)
+            next_position = next_position + 1
+        return _assemble(drawn, rows, settings)
+
+    def _mask(self, mask: Tensor) -> Tensor:  # [B, 1, Q, S] bool -> the attention's format
+        """A 4-D mask reaches the attention as it is (transformers' mask creation returns it unchanged)."""
+        if self.mask_dtype is None:
+            return mask
+        return torch.zeros(mask.shape, dtype=self.mask_dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(self.mask_dtype).min)
+
+
+def _assemble(drawn: list[tuple[Tensor, Tensor, Tensor]], rows: int,
+              settings: DecodeSettings) -> tuple[Tensor, Tensor]:  # -> tokens [N, C], logprobs [N, C]
+    """The per-step draws as [N, C] tensors, one write per stretch of steps with the same live rows; after a
+    row's EOS, pad tokens and zero logprobs."""
+    first = drawn[0][1]
+    tokens = first.new_full((rows, len(drawn)), settings.pad_id)
+    logprobs = drawn[0][2].new_zeros(rows, len(drawn))
+    start = 0
+    for end in range(1, len(drawn) + 1):
+        if end == len(drawn) or drawn[end][0] is not drawn[start][0]:
+            live = drawn[start][0]
+            tokens[live, start:end] = torch.stack([t for _, t, _ in drawn[start:end]], 1)
+            logprobs[live, start:end] = torch.stack([lp for _, _, lp in drawn[start:end]], 1)
+            start = end
+    is_eos = tokens == settings.eos_id
+    after_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
+    return tokens.masked_fill(after_eos, settings.pad_id), logprobs.masked_fill(after_eos, 0.0)
+
+
+class _Draws:
+    """Each live row's token and its logprob at a step. The keyed noise of :class:`KeyedSampler` is computed for
+    blocks of steps at once (one call instead of one per step), at most ``NOISE_BLOCK_ELEMENTS`` values."""
+
+    NOISE_BLOCK_ELEMENTS = 1 << 22
+
+    def __init__(self, keys: Tensor | None, settings: DecodeSettings, vocab: int) -> None:
+        self.keys, self.settings, self.vocab = keys, settings, vocab
+        self.sampler = None if keys is None else KeyedSampler(keys, 0, settings.temperature, settings.top_k, settings.top_p)
+        self.noise, self.first = None, 0  # [M, B, V] noise of steps first .. first + B - 1
+
+    def __call__(self, logits: Tensor, step: int) -> tuple[Tensor, Tensor]:  # [M, V] -> token [M], logprob [M]
+        s = self.settings
+        z = logits.float()
+        if step < s.min_new_tokens:
+            z = z.index_fill(-1, torch.tensor([s.eos_id], device=z.device), float("-inf"))
+        if self.sampler is not None:
+            z = self.sampler.filtered(z) + self._noise(step, logits.device)
+        token = z.argmax(-1)
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        logprob = torch.log_softmax(wide / s.temperature, -1).gather(-1, token[:, None])[:, 0]
+        return token, logprob
+
+    def keep(self, rows: Tensor) -> None:  # rows [M'] of the live rows
+        if self.keys is not None:
+            self.keys, self.noise = self.keys[rows.to(self.keys.device)], self.noise[rows]
+
+    def _noise(self, step: int, device: torch.device) -> Tensor:  # [M, V]
+        if self.noise is None or step >= self.first + self.noise.shape[1]:
+            block = max(1, self.NOISE_BLOCK_ELEMENTS // (self.keys.numel() * self.vocab))
+            steps = torch.arange(step, min(step + block, self.settings.max_new_tokens))
+            self.noise, self.first = keyed_gumbel(self.keys.to(device), steps, self.vocab), step
+        return self.noise[:, step - self.first]
+
+
+def _zero3_group() -> bool:
+    """ZeRO-3 with several processes: the model's parameters are partitioned across the group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    try:
+        from transformers.integrations import is_deepspeed_zero3_enabled
+    except ImportError:
+        return False
+    return is_deepspeed_zero3_enabled()
+
+
+def _prefill_mask(prompt_mask: Tensor) -> Tensor:  # [P, L] -> [P, 1, L, L] bool
+    """Causal over the prompt, padding hidden; a padding query sees itself (its output is never used)."""
+    width = prompt_mask.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=prompt_mask.device).tril()
+    mask = causal[None] & prompt_mask.bool()[:, None, :]  # [P, L, L]
+    return (mask | torch.eye(width, dtype=torch.bool, device=prompt_mask.device)[None])[:, None]
+
+
+def _transformers_model(model: nn.Module) -> nn.Module:
+    """The transformers model under a PEFT wrapper (whose own forward passes keyword arguments on)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -1,0 +1,110 @@
+"""Steps per second against Hugging Face TRL's GRPOTrainer on the same work, interleaved on this machine.
+
+The work: the 82,496-parameter Qwen2 of ``grpo_accel.tasks.tiny.build_tiny_qwen2`` (random weights, character
+tokenizer), prompts "a+b=" with a, b in 0..49, the answer_match and format_match rewards, 2 prompts x 4
+completions per step, up to 32 new tokens, temperature 1, KL 0.04, learning rate 1e-4, float32 (TRL's bf16
+default turned off), one process, one torch thread for training. Each round runs TRL, then
+``python -m grpo_accel.bench --size tiny --loop ...`` for every grpo_accel variant and decoder asked for; the
+table gives the median over rounds of each run's median step time.
+
+TRL is not a dependency: install it in an environment of its own (same torch and transformers) and name its
+python with ``--trl-python``:
+
+    python -m venv /tmp/trl && /tmp/trl/bin/pip install torch==2.13.0 trl==1.16.0 tensordict
+    PYTHONPATH=. python launch/trl_parity.py --trl-python /tmp/trl/bin/python --rounds 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = {"prompts": 2, "group": 4, "max_new_tokens": 32, "kl_coef": 0.04, "lr": 1e-4}
+
+
+def trl_side(steps: int, warmup: int) -> dict:
+    """TRL's median step time on the work (run inside TRL's environment)."""
+    import time
+
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo_accel.rewards import answer_match, format_match
+    from grpo_accel.tasks.addition import addition_rows
+    from grpo_accel.tasks.tiny import build_char_tokenizer, build_tiny_qwen2
+
+    torch.set_num_threads(1)
+    tokenizer = build_char_tokenizer()
+    folder = tempfile.mkdtemp()  # TRL builds its reference model from a path
+    build_tiny_qwen2(tokenizer, seed=0).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    ends: list[float] = []
+
+    class StepEnds(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append(time.perf_counter())
+
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=WORK["prompts"] * WORK["group"],
+        num_generations=WORK["group"], max_completion_length=WORK["max_new_tokens"], beta=WORK["kl_coef"],
+        learning_rate=WORK["lr"], temperature=1.0, use_cpu=True, bf16=False, max_steps=warmup + steps + 1, seed=0,
+        logging_steps=10**6, save_strategy="no", report_to="none", disable_tqdm=True)
+    trainer = GRPOTrainer(model=folder, reward_funcs=[answer_match, format_match], args=config,
+                          train_dataset=Dataset.from_list(addition_rows(49)[0]), processing_class=tokenizer,
+                          callbacks=[StepEnds()])
+    trainer.train()
+    steps_s = [b - a for a, b in zip(ends[warmup:], ends[warmup + 1:])]
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    return {"step_s": statistics.median(steps_s), "completion_tokens_mean": lengths[-1] if lengths else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trl-python", help="python of an environment with trl installed")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--variants", nargs="+", default=["sync", "async+worker"])
+    parser.add_argument("--decoders", nargs="+", default=["fast", "compiled"])
+    parser.add_argument("--side", choices=["trl"], help=argparse.SUPPRESS)  # internal: one TRL run, JSON out
+    args = parser.parse_args(argv)
+    if args.side == "trl":
+        sys.stdout.write(json.dumps(trl_side(args.steps, args.warmup)) + "\n")
+        return 0
+    if args.trl_python is None:
+        parser.error("--trl-python is required (TRL is not a dependency of grpo_accel)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GRPO_ACCEL_THREADS": "1"}
+    runs: dict[str, list[float]] = {}
+    for _ in range(args.rounds):
+        out = subprocess.run([args.trl_python, __file__, "--side", "trl", "--steps", str(args.steps), "--warmup",
+                              str(args.warmup)], env=env, capture_output=True, text=True, check=True, cwd=ROOT)
+        runs.setdefault("TRL GRPOTrainer", []).append(json.loads(out.stdout.splitlines()[-1])["step_s"])
+        for decoder in args.decoders:
+            with tempfile.NamedTemporaryFile(suffix=".json") as f:
+                subprocess.run([sys.executable, "-m", "grpo_accel.bench", "--size", "tiny", "--loop", *args.variants,
+                                "--decoder", decoder, "--steps", str(args.steps), "--warmup", str(args.warmup),
+                                "--prompts", str(WORK["prompts"]), "--group", str(WORK["group"]),
+                                "--micro-batch", str(WORK["prompts"] * WORK["group"]),
+                                "--max-new-tokens", str(WORK["max_new_tokens"]), "--kl-coef", str(WORK["kl_coef"]),
+                                "--lr", str(WORK["lr"]), "--out", f.name], env=env, capture_output=True, check=True,
+                               cwd=ROOT)
+                for variant, r in json.loads(Path(f.name).read_text())["loop"].items():
+                    runs.setdefault(f"grpo_accel {variant}, decoder {decoder}", []).append(r["step_s"])
+    trl = statistics.median(runs["TRL GRPOTrainer"])
+    sys.stdout.write(f"{'':<40}{'median step s':>14}{'x TRL':>8}   per round\n")
+    for name, values in runs.items():
+        med = statistics.median(values)
+        sys.stdout.write(f"{name:<40}{med:>14.4f}{trl / med:>8.2f}   {' '.join(f'{v:.4f}' for v in values)}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

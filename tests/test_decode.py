@@ -1,0 +1,150 @@
+"""The embedded engine's decode loop against transformers' generate: same keys, same tokens, same logprobs."""
+import copy
+
+import pytest
+import torch
+
+from grpo_accel import batch as K
+from grpo_accel.logprobs import sequence_logprobs
+from grpo_accel.rollout.decode import Decoder, DecodeSettings, unsupported_reason
+from grpo_accel.rollout.local import EmbeddedEngine, EmbeddedWeightSync
+
+PROMPTS = ["12+34=", "1+2=", "7+7=", "49+49="]  # 4 to 6 tokens: left padding
+
+
+def _qwen2(tokenizer):
+    """The speed issue's model: Qwen2 with grouped-query attention and tied embeddings."""
+    from grpo_accel.tasks.tiny import build_tiny_qwen2
+
+    return build_tiny_qwen2(tokenizer, seed=0)
+
+
+def _llama(tokenizer, attention="sdpa"):
+    from grpo_accel.tasks.tiny import build_tiny_model
+
+    model = build_tiny_model(tokenizer, seed=0)
+    model.config._attn_implementation = attention
+    return model
+
+
+def _lora(tokenizer):
+    from grpo_accel.config import LoraConfig
+    from grpo_accel.lora import apply_lora
+
+    model = apply_lora(_llama(tokenizer), LoraConfig(r=4), seed=0)
+    with torch.no_grad():  # a trained-looking adapter: B is zero at start
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    return model
+
+
+def _ending(model, tokenizer, dtype=torch.float64):
+    """EOS made likely, so that completions end at different steps (rows leave the batch)."""
+    model = model.to(dtype)
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        head.weight[tokenizer.eos_token_id] += 0.3 * head.weight.norm(dim=1).mean()
+    return model
+
+
+@pytest.mark.parametrize("build, sampling, dtype", [
+    (_llama, {"temperature": 0.9}, torch.float64),
+    (_qwen2, {"temperature": 1.0}, torch.float64),
+    # float32: transformers' generate under eager attention turns left-padded float64 rows into NaN
+    (lambda tok: _llama(tok, "eager"), {"temperature": 1.0}, torch.float32),
+    (_lora, {"temperature": 0.7, "top_k": 5, "top_p": 0.9}, torch.float64),
+], ids=["llama", "qwen2-gqa-tied", "eager-attention", "lora-topk-topp"])
+def test_fast_decoder_draws_what_generate_draws(tokenizer, build, sampling, dtype):
+    """In float64 no rounding can flip a draw, so the tokens must be equal; logprobs to float32 rounding."""
+    model = _ending(build(tokenizer), tokenizer, dtype)
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    fast = EmbeddedEngine(model, tokenizer, max_new_tokens=24, decoder="fast", **sampling)
+    slow = EmbeddedEngine(model, tokenizer, max_new_tokens=24, decoder="generate", **sampling)
+    assert fast.fast and not slow.fast
+    a, b = fast.generate(prompts, 4, seeds=[5, 6, 7, 8]), slow.generate(prompts, 4, seeds=[5, 6, 7, 8])
+    lengths = a[K.COMPLETION_MASK].sum(1)
+    assert lengths.min() < 12 and lengths.max() == 24, "rows must finish at different steps"
+    for key in (K.PROMPT_IDS, K.PROMPT_MASK, K.COMPLETION_IDS, K.COMPLETION_MASK, K.FINISH_REASON):
+        assert torch.equal(a[key], b[key]), key
+    torch.testing.assert_close(a[K.ENGINE_LOGPROBS], b[K.ENGINE_LOGPROBS], atol=1e-6, rtol=0)
+    # generate hands out float32 logits; the loop keeps the model's float64, which a teacher-forced pass matches
+    ids, mask = a[K.PROMPT_IDS][::4], a[K.PROMPT_MASK][::4]
+    keys = torch.tensor([s * 4 + j for s in [5, 6, 7, 8] for j in range(4)])
+    tokens, logprobs = fast.decoder(ids, mask, 4, keys, fast.settings)
+    assert logprobs.dtype == torch.promote_types(dtype, torch.float32) and torch.equal(tokens[:, : a[K.COMPLETION_IDS].shape[1]], a[K.COMPLETION_IDS])
+    with torch.no_grad():
+        teacher = sequence_logprobs(model, a[K.PROMPT_IDS], a[K.PROMPT_MASK], a[K.COMPLETION_IDS], a[K.COMPLETION_MASK],
+                                    sampling["temperature"])
+    torch.testing.assert_close(logprobs * a[K.COMPLETION_MASK], teacher * a[K.COMPLETION_MASK],
+                               atol=1e-10 if dtype == torch.float64 else 1e-5, rtol=0)
+    greedy = [e.generate(prompts, 2, greedy=True)[K.COMPLETION_IDS] for e in (fast, slow)]
+    assert torch.equal(*greedy)
+
+
+def test_min_new_tokens_and_the_budget(tokenizer):
+    model = _ending(_llama(tokenizer), tokenizer)
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    engines = [EmbeddedEngine(model, tokenizer, max_new_tokens=9, decoder=d) for d in ("fast", "generate")]
+    for e in engines:
+        e.settings.min_new_tokens = 9  # the benchmark's fixed length: EOS cannot be drawn before the budget
+    a, b = (e.generate(prompts, 3, seeds=[1, 2]) for e in engines)
+    assert torch.equal(a[K.COMPLETION_IDS], b[K.COMPLETION_IDS]) and (a[K.COMPLETION_MASK].sum(1) == 9).all()
+    assert (a[K.FINISH_REASON] == K.FINISH_LENGTH).all()
+
+
+def test_compiled_decoder_matches_eager_and_sees_weight_updates(tokenizer):
+    model = _ending(_qwen2(tokenizer), tokenizer).eval()
+    ids = K.pad_sequences([tokenizer(p)["input_ids"] for p in PROMPTS[:2]], tokenizer.pad_token_id, "left")
+    mask = (ids != tokenizer.pad_token_id).long()
+    keys, settings = torch.arange(6), DecodeSettings(12, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    eager, compiled = Decoder(model), Decoder(model, compiled=True)
+    for _ in range(2):  # the second round after an in-place update, as EmbeddedWeightSync makes it
+        (t1, l1), (t2, l2) = eager(ids, mask, 3, keys, settings), compiled(ids, mask, 3, keys, settings)
+        assert torch.equal(t1, t2)
+        torch.testing.assert_close(l1, l2, atol=1e-6, rtol=0)  # inductor may keep float64 where eager rounds to float32
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(1.5)
+
+
+def test_decode_worker_draws_like_the_engine_and_follows_weight_pushes(tokenizer):
+    trained = _llama(tokenizer)
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    local = EmbeddedEngine(copy.deepcopy(trained), tokenizer, max_new_tokens=8)
+    remote = EmbeddedEngine(copy.deepcopy(trained), tokenizer, max_new_tokens=8, worker=True)
+    try:
+        for version in (1, 2):
+            a, b = local.generate(prompts, 3, seeds=[1, 2, 3, 4]), remote.generate(prompts, 3, seeds=[1, 2, 3, 4])
+            for key in a.keys():
+                torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=0)
+            with torch.no_grad():  # a training step, then the push that copies the weights into each engine
+                trained.lm_head.weight.add_(torch.randn_like(trained.lm_head.weight))
+            for engine in (local, remote):
+                EmbeddedWeightSync(engine, source=trained).push(version)
+        assert not torch.equal(a[K.COMPLETION_IDS], local.generate(prompts, 3, seeds=[1, 2, 3, 4])[K.COMPLETION_IDS])
+        process = remote.worker.process
+        remote.model.lm_head.weight = torch.nn.Parameter(remote.model.lm_head.weight.clone())  # replaced, not copied
+        with pytest.raises(RuntimeError, match=r"\['lm_head.weight'\] are no longer in shared memory"):
+            remote.generate(prompts, 3)
+    finally:
+        remote.close()
+    assert not process.is_alive() and remote.worker is None
+
+
+def test_decoder_choices_and_their_errors(tokenizer):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from grpo_accel.config import ConfigError, GRPOConfig, RolloutConfig
+
+    windowed = MistralForCausalLM(MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                num_attention_heads=2, num_key_value_heads=1, sliding_window=8))
+    assert "sliding window (8)" in unsupported_reason(windowed)
+    assert not EmbeddedEngine(windowed, tokenizer, max_new_tokens=2).fast  # auto: transformers' generate
+    with pytest.raises(ValueError, match=r"decoder='fast' cannot decode this model: it has a sliding window"):
+        EmbeddedEngine(windowed, tokenizer, max_new_tokens=2, decoder="fast")
+    with pytest.raises(ValueError, match="worker=True decodes a CPU model with the fast decoder"):
+        EmbeddedEngine(_llama(tokenizer), tokenizer, max_new_tokens=2, decoder="generate", worker=True)
+    with pytest.raises(ConfigError, match=r"rollout.decoder='greedy'.*must be one of \['auto', 'fast', 'compiled', 'generate'\]"):
+        RolloutConfig(decoder="greedy")
+    with pytest.raises(ConfigError, match="rollout.embedded_worker=True.*only with trainer.async_collection=true"):
+        GRPOConfig(rollout=RolloutConfig(embedded_worker=True))
