@@ -195,8 +195,9 @@ def _generation_items(engine, prompts: list[list[int]], group: int) -> list[Item
     try:
         with _settings(settings, min_new_tokens=settings.max_new_tokens):
             full_length = median_time(generate, reps=2)
-        early = median_time(generate, reps=2)
-        longest = int(generate()[K.COMPLETION_MASK].sum(1).max())
+        with _settings(settings, min_new_tokens=0):
+            early = median_time(generate, reps=2)
+            longest = int(generate()[K.COMPLETION_MASK].sum(1).max())
     finally:
         hook.remove()
     items.append(Item("generation stops when all finished", full_length, early, "s",

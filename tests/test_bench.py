@@ -66,12 +66,29 @@ def test_benchmark_takes_a_model_folder(tmp_path, model_folder):
 
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, "-m", "grpo_accel.bench", *SMALL, "--model", str(model_folder),
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "--decoder", "generate", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     check_result(result, processes=1)
     assert result["size"] == str(model_folder)
     assert result["parameters"] == AutoModelForCausalLM.from_pretrained(model_folder).num_parameters()
+
+
+def test_loop_times_whole_iterations_of_each_variant(tmp_path):
+    out = tmp_path / "loop.json"
+    proc = subprocess.run([sys.executable, "-m", "grpo_accel.bench", "--size", "tiny", "--loop", "sync", "async",
+                           "async+worker", "--steps", "3", "--warmup", "1", "--prompts", "2", "--group", "2",
+                           "--max-new-tokens", "4", "--micro-batch", "4", "--kl-coef", "0.04", "--lr", "1e-4",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["parameters"] == 82496 and result["kl_coef"] == 0.04  # the TRL comparison's Qwen2
+    assert list(result["loop"]) == ["sync", "async", "async+worker"]
+    for variant in result["loop"].values():
+        assert variant["measured_steps"] == 3 and 0 < variant["generate_s"] and 0 < variant["step_s"]
+        assert 1 <= variant["completion_tokens_mean"] <= 4
+    assert "async+worker" in proc.stdout and "steps/s" in proc.stdout
 
 
 def test_items_refuse_several_processes(monkeypatch):

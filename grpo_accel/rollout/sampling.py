@@ -21,23 +21,29 @@ def _i64(x: int) -> Tensor:
     return torch.tensor(x - (1 << 64) if x >= 1 << 63 else x, dtype=torch.long)
 
 
-def _shr(x: Tensor, bits: int) -> Tensor:
-    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
+def _xor_shr_(x: Tensor, bits: int, scratch: Tensor) -> Tensor:
+    """``x ^= x >>> bits`` in place (a logical shift of int64 bit patterns: torch's >> is arithmetic)."""
+    torch.bitwise_right_shift(x, bits, out=scratch)
+    scratch &= (1 << (64 - bits)) - 1
+    return x.bitwise_xor_(scratch)
 
 
 def keyed_uniform(keys: Tensor, steps: Tensor, vocab: int) -> Tensor:  # [N], [S] -> [N, S, V] float64 in (0, 1)
-    """splitmix64 of (key, step, token): independent uniforms per row, step and token."""
-    arange = torch.arange(vocab, device=keys.device)
-    x = keys[:, None, None] * _i64(_GOLDEN) + (steps.to(keys.device) * _i64(_STEP))[None, :, None] + arange
-    x = (x ^ _shr(x, 30)) * _i64(_MIX1)  # int64 multiplication wraps: exactly the uint64 product's bits
-    x = (x ^ _shr(x, 27)) * _i64(_MIX2)
-    x = x ^ _shr(x, 31)
-    return (_shr(x, 11).double() + 0.5) / float(1 << 53)
+    """splitmix64 of (key, step, token): independent uniforms per row, step and token. In place on one buffer:
+    at a real vocabulary the temporaries, not the arithmetic, were the cost."""
+    x = keys[:, None, None] * _i64(_GOLDEN) + (steps.to(keys.device) * _i64(_STEP))[None, :, None]
+    x = x + torch.arange(vocab, device=keys.device)
+    scratch = torch.empty_like(x)
+    _xor_shr_(x, 30, scratch).mul_(_i64(_MIX1))  # int64 multiplication wraps: exactly the uint64 product's bits
+    _xor_shr_(x, 27, scratch).mul_(_i64(_MIX2))
+    _xor_shr_(x, 31, scratch)
+    torch.bitwise_right_shift(x, 11, out=scratch)
+    scratch &= (1 << 53) - 1
+    return scratch.double().add_(0.5).div_(float(1 << 53))
 
 
 def keyed_gumbel(keys: Tensor, steps: Tensor, vocab: int) -> Tensor:  # [N], [S] -> [N, S, V] float32
-    return -torch.log(-torch.log(keyed_uniform(keys, steps, vocab))).float()
+    return keyed_uniform(keys, steps, vocab).log_().neg_().log_().neg_().float()
 
 
 class KeyedSampler:
