@@ -48,6 +48,12 @@ LEFT_PADDED = (PROMPT_IDS, PROMPT_MASK)
 RIGHT_PADDED = (COMPLETION_IDS, COMPLETION_MASK, ENGINE_LOGPROBS, OLD_LOGPROBS, REF_LOGPROBS)
 
 
+def after_stop(completion_ids: Tensor, eos_id: int) -> Tensor:  # [N, C] -> [N, C] bool
+    """Positions strictly after each row's first EOS: not part of the completion (the EOS itself is)."""
+    is_eos = (completion_ids == eos_id).long()
+    return (is_eos.cumsum(1) - is_eos) > 0
+
+
 def pad_sequences(seqs: Sequence[Sequence[int | float]], value, side: str, dtype=torch.long) -> Tensor:
     """Lists of unequal length -> [len(seqs), max_len], padded with ``value`` on ``side`` ("left"/"right")."""
     width = max((len(s) for s in seqs), default=0)

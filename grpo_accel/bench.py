@@ -226,6 +226,7 @@ def loop(args, model, tokenizer, rows: list[dict], rewards, accelerator) -> dict
     completion tokens, and the first iteration's time (compilation, worker start)."""
     times: dict[str, dict[str, list[float]]] = {
         v: {"step": [], "generate": [], "optimise": [], "tokens": [], "first": []} for v in args.loop}
+    threads = torch.get_num_threads()
     for _ in range(args.rounds):
         for variant in args.loop:
             trainer, engine = _loop_trainer(args, variant, model, tokenizer, rows, rewards, accelerator)
@@ -236,6 +237,7 @@ def loop(args, model, tokenizer, rows: list[dict], rewards, accelerator) -> dict
                 trainer.train()
             finally:
                 engine.close()
+                torch.set_num_threads(threads)  # a decode worker's engine took half of them
             got = times[variant]
             got["first"].append(ends[0] - start)
             steps = [b - a for a, b in zip(ends[args.warmup:], ends[args.warmup + 1:])]

@@ -145,8 +145,6 @@ def first_process() -> bool:
 
 def build_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
     """The rollout engine and the weight-sync sender that keeps it current."""
-    import torch
-
     r, w = cfg.rollout, cfg.weight_sync
     if r.backend == "sglang":
         from grpo_accel.rollout.sglang import SGLangEngine
@@ -172,8 +170,6 @@ def build_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
 
     # Async collection generates while the policy is updated, so the engine needs its own copy of the weights.
     engine_model = copy.deepcopy(model) if cfg.trainer.async_collection else model
-    if r.embedded_worker:  # the worker decodes on cores of its own: the trainer and the worker split them
-        torch.set_num_threads(max(1, torch.get_num_threads() // 2))
     engine = EmbeddedEngine(engine_model, tokenizer, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                             top_p=r.top_p, top_k=r.top_k, decoder=r.decoder, worker=r.embedded_worker,
                             gather=(lambda: gathered_parameters(model.parameters())) if r.zero3_gather_full else None)

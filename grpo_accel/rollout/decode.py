@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from grpo_accel import batch as K
 from grpo_accel.logprobs import position_ids_from_mask
 from grpo_accel.rollout.sampling import KeyedSampler, keyed_gumbel
 
@@ -228,8 +229,7 @@ def _assemble(drawn: list[tuple[Tensor, Tensor, Tensor]], rows: int,
             tokens[live, start:end] = torch.stack([t for _, t, _ in drawn[start:end]], 1)
             logprobs[live, start:end] = torch.stack([lp for _, _, lp in drawn[start:end]], 1)
             start = end
-    is_eos = tokens == settings.eos_id
-    after_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
+    after_eos = K.after_stop(tokens, settings.eos_id)
     return tokens.masked_fill(after_eos, settings.pad_id), logprobs.masked_fill(after_eos, 0.0)
 
 

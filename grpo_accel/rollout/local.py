@@ -42,7 +42,8 @@ class EmbeddedEngine:
         worker: decode in a process of its own (:class:`~grpo_accel.rollout.worker.DecodeWorker`, started at the
             first ``generate``), on ``model``'s weights in shared memory: for asynchronous collection on CPU,
             where generation then runs beside training instead of taking turns with it. ``model`` must be the
-            engine's own copy (updated in place by :class:`EmbeddedWeightSync`). Call :meth:`close` at the end.
+            engine's own copy (updated in place by :class:`EmbeddedWeightSync`). The two processes split this
+            one's torch threads (set here, half each, at least one). Call :meth:`close` at the end.
 
     Example:
         >>> engine = EmbeddedEngine(model, tokenizer, max_new_tokens=4)
@@ -81,6 +82,9 @@ class EmbeddedEngine:
         self.decoder: Decoder | None = None  # the in-process decode loop, built at the first generate
         self.worker: DecodeWorker | None = None
         self.use_worker = worker
+        if worker:  # the worker decodes beside training: this process keeps half of its torch threads, it gets half
+            self.worker_threads = max(1, torch.get_num_threads() // 2)
+            torch.set_num_threads(self.worker_threads)
         self.model, self.gather = model, gather or contextlib.nullcontext
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.settings = DecodeSettings(max_new_tokens, tokenizer.eos_token_id, pad_id, float(temperature), top_k, top_p)
@@ -117,10 +121,8 @@ class EmbeddedEngine:
             finally:
                 self.model.train(was_training)
             version = self.weight_version
-        is_eos = completion == s.eos_id
-        after_eos = (is_eos.long().cumsum(1) - is_eos.long()) > 0  # strictly after the first EOS
-        completion_mask = (~after_eos).long()
-        finish = torch.where(is_eos.any(1), K.FINISH_STOP, K.FINISH_LENGTH)
+        completion_mask = (~K.after_stop(completion, s.eos_id)).long()
+        finish = torch.where((completion == s.eos_id).any(1), K.FINISH_STOP, K.FINISH_LENGTH)
         n = completion.shape[0]
         return TensorDict(
             {
@@ -145,7 +147,7 @@ class EmbeddedEngine:
         if self.use_worker and self.worker is None:
             from grpo_accel.rollout.worker import DecodeWorker
 
-            self.worker = DecodeWorker(self.model, self.compiled, threads=torch.get_num_threads())
+            self.worker = DecodeWorker(self.model, self.compiled, threads=self.worker_threads)
         elif not self.use_worker and self.decoder is None:
             from grpo_accel.rollout.decode import Decoder
 
