@@ -145,6 +145,8 @@ def first_process() -> bool:
 
 def build_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
     """The rollout engine and the weight-sync sender that keeps it current."""
+    import torch
+
     r, w = cfg.rollout, cfg.weight_sync
     if r.backend == "sglang":
         from grpo_accel.rollout.sglang import SGLangEngine
