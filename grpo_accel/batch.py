@@ -9,6 +9,7 @@ completions of a prompt are contiguous (rows ``g*G .. g*G+G-1`` share ``group_id
 | prompt_mask       | [N, P]  | int64   | 1 on real prompt tokens                                          |
 | completion_ids    | [N, C]  | int64   | sampled tokens incl. the EOS that stopped them, RIGHT-padded     |
 | completion_mask   | [N, C]  | int64   | 1 on sampled tokens (EOS included)                               |
+| model_mask        | [N, C]  | int64   | episodes only: 1 on the model's own tokens, 0 on the environment's |
 | engine_logprobs   | [N, C]  | float32 | engine's log_softmax(logits / temperature) at the sampled token  |
 | finish_reason     | [N]     | int64   | FINISH_STOP, FINISH_LENGTH or FINISH_ABORT                       |
 | weight_version    | [N]     | int64   | version of the weights that generated the row                    |
@@ -18,6 +19,11 @@ completions of a prompt are contiguous (rows ``g*G .. g*G+G-1`` share ``group_id
 | advantages        | [N]     | float32 | group-relative advantage                                         |
 | old_logprobs      | [N, C]  | float32 | optional: trainer's logprobs before optimisation (pi_old)        |
 | ref_logprobs      | [N, C]  | float32 | optional: reference policy's logprobs (KL term)                  |
+| episode           | [N]     | int64   | episodes only: sub-TensorDict of turns, tool_calls, tool_errors  |
+
+A multi-turn episode (:mod:`grpo_accel.rollout.episodes`) is one row: its "completion" holds every token after
+the prompt, the model's turns and the environment's answers in order; ``model_mask`` tells them apart, and the
+loss trains on :func:`loss_mask` only.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ PROMPT_IDS = "prompt_ids"
 PROMPT_MASK = "prompt_mask"
 COMPLETION_IDS = "completion_ids"
 COMPLETION_MASK = "completion_mask"
+MODEL_MASK = "model_mask"
 ENGINE_LOGPROBS = "engine_logprobs"
 FINISH_REASON = "finish_reason"
 WEIGHT_VERSION = "weight_version"
@@ -40,12 +47,19 @@ REWARD = "reward"
 ADVANTAGES = "advantages"
 OLD_LOGPROBS = "old_logprobs"
 REF_LOGPROBS = "ref_logprobs"
+EPISODE = "episode"
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = 0, 1, 2
 FINISH_REASONS = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORT}
 
 LEFT_PADDED = (PROMPT_IDS, PROMPT_MASK)
-RIGHT_PADDED = (COMPLETION_IDS, COMPLETION_MASK, ENGINE_LOGPROBS, OLD_LOGPROBS, REF_LOGPROBS)
+RIGHT_PADDED = (COMPLETION_IDS, COMPLETION_MASK, MODEL_MASK, ENGINE_LOGPROBS, OLD_LOGPROBS, REF_LOGPROBS)
+
+
+def loss_mask(td: TensorDict) -> Tensor:  # -> [N, C] int64
+    """The tokens the loss trains on: the completion's, less the environment's in an episode."""
+    mask = td[COMPLETION_MASK]
+    return mask * td[MODEL_MASK] if MODEL_MASK in td.keys() else mask
 
 
 def after_stop(completion_ids: Tensor, eos_id: int) -> Tensor:  # [N, C] -> [N, C] bool

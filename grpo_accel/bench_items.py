@@ -185,6 +185,7 @@ def _generation_items(engine, prompts: list[list[int]], group: int) -> list[Item
         items.append(Item("decode loop (rollout.decoder=fast)", transformers_generate, median_time(generate, reps=3), "s",
                           "transformers generate with the keyed sampler / our loop: one prefill per prompt, cache "
                           "allocated once, mask sliced, sampler fused (same tokens)"))
+        items.append(_later_turn_item(engine, prompts, group))
     # Random weights almost never sample EOS, so completions are made to end early: a forward hook raises the EOS
     # logit by 4 (about 1 in 3 draws); the batch then ends with its longest completion instead of at the budget.
     def likelier_eos(module, inputs, logits):
@@ -204,6 +205,21 @@ def _generation_items(engine, prompts: list[list[int]], group: int) -> list[Item
                       f"every sequence to the {settings.max_new_tokens}-token budget / stop when all stopped "
                       f"(EOS made likelier: longest completion {longest} tokens)"))
     return items
+
+
+def _later_turn_item(engine, prompts: list[list[int]], group: int) -> Item:
+    """A later turn of multi-turn episodes: each prompt prefilled once for its rows, then each row's own 16 tokens
+    (``continue_rows``), against each row's whole context (``generate``); the same draws. Prompts are made 8x
+    longer (a chat prompt with its tools and an example is hundreds of tokens; an episode's turn tens)."""
+    long = [p * 8 for p in prompts]
+    rows = [i for i in range(len(long)) for _ in range(group)]
+    suffixes = [long[i][:16] for i in rows]
+    keys = list(range(len(rows)))
+    whole = median_time(lambda: engine.generate([long[i] + x for i, x in zip(rows, suffixes)], 1, seeds=keys), reps=2)
+    shared = median_time(lambda: engine.continue_rows(long, rows, suffixes, keys), reps=2)
+    return Item("episodes' later turns: prompt prefilled once", whole, shared, "s",
+                f"{len(rows)} rows of a {len(long[0])}-token prompt + 16 own tokens: each whole context / the prompt "
+                "once per prompt, then each row's own tokens (same draws)")
 
 
 def _threads_item(loss_module, td: TensorDict, threads: int) -> Item:

@@ -6,7 +6,7 @@ import functools
 import importlib
 from pathlib import Path
 
-from grpo_accel.config import ConfigError, DataConfig, ModelConfig, RewardConfig
+from grpo_accel.config import ConfigError, DataConfig, ModelConfig, RewardConfig, RolloutConfig
 from grpo_accel.data import load_rows, validate_rows
 from grpo_accel.rewards import BUILTIN_REWARDS, RewardSet
 
@@ -99,6 +99,13 @@ def _builtin_task(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
             return chat_arithmetic_rows(cfg.max_operand, cfg.holdout)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
+    if cfg.task == "calculator":
+        from grpo_accel.tasks.calculator import calculator_rows
+
+        try:
+            return calculator_rows(cfg.max_operand, cfg.holdout)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
     from grpo_accel.tasks.addition import addition_rows
 
     return addition_rows(cfg.max_operand, cfg.holdout)
@@ -108,14 +115,19 @@ def resolve_reward(name: str):
     """A built-in reward function by name, or ``package.module:function``."""
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
+    return import_named(name, f"rewards name={name!r}", sorted(BUILTIN_REWARDS), "function")
+
+
+def import_named(name: str, key: str, builtins: list[str], kind: str):
+    """The object that ``package.module:attr`` names; errors start with ``key`` and list the ``builtins``."""
     module, sep, attr = name.partition(":")
     if not sep:
-        raise ConfigError(f"rewards name={name!r}: not a built-in {sorted(BUILTIN_REWARDS)}; "
-                          "for your own function write 'package.module:function'.")
+        raise ConfigError(f"{key}: not a built-in {builtins}; for your own {kind} write 'package.module:{kind}'.")
     try:
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"rewards name={name!r}: cannot import it ({exc}); check the module path and function name.") from exc
+        raise ConfigError(f"{key}: cannot import it ({exc}); check the module path and {kind} name (modules in the "
+                          "directory the run starts from are importable).") from exc
 
 
 def build_rewards(cfgs: list[RewardConfig]) -> RewardSet:
@@ -124,3 +136,20 @@ def build_rewards(cfgs: list[RewardConfig]) -> RewardSet:
         fn = resolve_reward(c.name)
         fns[c.name] = functools.partial(fn, **c.kwargs) if c.kwargs else fn
     return RewardSet(fns, {c.name: c.weight for c in cfgs})
+
+
+def build_environment(rollout: RolloutConfig, data: DataConfig):
+    """The factory of multi-turn environments that ``rollout.environment`` names (a callable returning a fresh
+    :class:`~grpo_accel.rollout.episodes.Environment` per episode), or None (single turn)."""
+    name = rollout.environment
+    if name is None:
+        return None
+    if name == "calculator":
+        from grpo_accel.tasks.calculator import calculator_environment
+
+        return calculator_environment(data.system_prompt, rollout.tool_timeout_s, data.prompt_field)
+    factory = import_named(name, f"rollout.environment={name!r}", ["calculator"], "factory")
+    if not callable(factory):
+        raise ConfigError(f"rollout.environment={name!r} is a {type(factory).__name__}, not a callable that returns "
+                          "an Environment.")
+    return factory

@@ -104,15 +104,16 @@ class DataConfig:
     eval_split: str | None = None
     """Split of the held-out rows: of eval_path if set, else of path (e.g. test)."""
     task: str = "addition"
-    """Built-in task when path is None: addition ("3+4=", for the tiny model) or chat_arithmetic (two-digit sums
-    and differences asked as chat messages, for a pretrained chat model)."""
+    """Built-in task when path is None: addition ("3+4=", for the tiny model), chat_arithmetic (two-digit sums
+    and differences asked as chat messages, for a pretrained chat model) or calculator (products "What is
+    347*29?", for multi-turn episodes with rollout.environment=calculator)."""
     max_operand: int = 4
-    """Built-in task only: operands are 0..max_operand (addition) or 10..max_operand (chat_arithmetic)."""
+    """Built-in task only: operands are 0..max_operand (addition) or 10..max_operand (the others)."""
     holdout: int = 0
     """Built-in task only: rows kept out of training for evaluation."""
 
     def __post_init__(self) -> None:
-        _choice("data.task", self.task, ("addition", "chat_arithmetic"))
+        _choice("data.task", self.task, ("addition", "chat_arithmetic", "calculator"))
         _check(self.max_operand >= 1, "data.max_operand", self.max_operand, "must be >= 1.")
         if self.task == "addition":
             _check(0 <= self.holdout < (self.max_operand + 1) ** 2, "data.holdout", self.holdout,
@@ -159,6 +160,18 @@ class RolloutConfig:
     embedded_worker: bool = False
     """Embedded, with trainer.async_collection on CPU: decode in a worker process of its own, so that generation
     runs on another core beside training (in one process they take turns on Python's interpreter lock)."""
+    environment: str | None = None
+    """Multi-turn episodes: "calculator" (the built-in tool environment: a calculator the model may call) or
+    "package.module:factory", a callable returning a fresh grpo_accel.rollout.episodes.Environment per episode.
+    None: one completion per prompt."""
+    max_turns: int = 4
+    """Episodes: model turns per episode at most; an episode still calling tools after them is cut ("length")."""
+    max_episode_tokens: int | None = None
+    """Episodes: tokens after the prompt (the model's and the environment's) at most; None: no limit besides
+    max_turns x max_new_tokens of the model's own."""
+    tool_timeout_s: float = 10.0
+    """Episodes with the built-in tool environment: each tool call's time limit; a slower call is answered with
+    an error message, as are failing calls."""
     zero3_gather_full: bool = False
     """ZeRO-3 only: gather the whole policy once around generation (every rank then holds the full model)
     instead of DeepSpeed fetching each module's shards at every decoding step (memory bounded by a module)."""
@@ -179,10 +192,22 @@ class RolloutConfig:
         _choice("rollout.decoder", self.decoder, DECODERS)
         _check(not self.embedded_worker or self.backend == "embedded", "rollout.embedded_worker", self.embedded_worker,
                "a decode worker belongs to the embedded engine; set rollout.backend=embedded or drop it.")
+        _check(self.max_turns >= 1, "rollout.max_turns", self.max_turns, "an episode needs at least one model turn.")
+        _check(self.max_episode_tokens is None or self.max_episode_tokens >= 1, "rollout.max_episode_tokens",
+               self.max_episode_tokens, "must be >= 1, or null for no limit.")
+        _check(self.tool_timeout_s > 0, "rollout.tool_timeout_s", self.tool_timeout_s, "must be > 0 seconds.")
 
     @property
     def completions_per_step(self) -> int:
         return self.prompts_per_step * self.group_size
+
+    @property
+    def model_tokens_per_completion(self) -> int:
+        """The most tokens the model writes in one completion (or episode): Dr. GRPO's constant normaliser."""
+        if self.environment is None:
+            return self.max_new_tokens
+        turns = self.max_turns * self.max_new_tokens
+        return turns if self.max_episode_tokens is None else min(turns, self.max_episode_tokens)
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 ROLES = ("system", "user", "assistant", "tool")
 DATASET_FILES = (".jsonl", ".json", ".parquet")
@@ -180,12 +180,34 @@ def chat_messages(prompt: str | list[dict], system_prompt: str | None) -> list[d
     return [{"role": "system", "content": system_prompt}, *prompt]
 
 
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                add_generation_prompt: bool = True) -> str:
+    """The chat template's text of ``messages``. ``tools`` (function schemas) go to the template as ``tools=``
+    when it uses them; a template that does not (SmolLM2's) gets them as text in the system message instead
+    (:func:`grpo_accel.tools.tools_system_prompt`), so that the model always sees them."""
+    if tools and "tools" not in (tokenizer.chat_template or ""):
+        from grpo_accel.tools import tools_system_prompt
+
+        text = tools_system_prompt(tools)
+        if messages and messages[0]["role"] == "system":
+            messages = [{"role": "system", "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
+        else:
+            messages = [{"role": "system", "content": text}, *messages]
+        tools = None
+    return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+                                         tokenize=False)
+
+
 def encode_prompts(rows: list[dict], tokenizer, *, prompt_field: str = "prompt", system_prompt: str | None = None,
-                   max_tokens: int | None = None, source: str = "dataset") -> Prompts:
-    """Render and tokenise every row's prompt; an error names the first row that cannot be trained on."""
+                   max_tokens: int | None = None, source: str = "dataset", tools: list[dict] | None = None,
+                   start: Callable[[dict], list[dict]] | None = None) -> Prompts:
+    """Render and tokenise every row's prompt; an error names the first row that cannot be trained on.
+
+    ``start(row)`` gives a row's first messages instead of its ``prompt_field`` (an environment's ``reset``);
+    ``tools`` are function schemas shown to the model (see :func:`render_chat`)."""
     texts, ids, conversations = [], [], []
     for i, row in enumerate(rows):
-        messages = chat_messages(row[prompt_field], system_prompt)
+        messages = start(row) if start is not None else chat_messages(row[prompt_field], system_prompt)
         where = f"{source} row {i}: column {prompt_field!r}"
         if messages is None:
             text = row[prompt_field]
@@ -194,7 +216,9 @@ def encode_prompts(rows: list[dict], tokenizer, *, prompt_field: str = "prompt",
             if getattr(tokenizer, "chat_template", None) is None:
                 raise DataError(f"{where} is a list of chat messages, but the tokenizer has no chat template; use a "
                                 "chat model's folder (model.name_or_path) or give prompts as plain strings.")
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            if start is not None:
+                _check_messages(messages, f"{where}: the environment's first messages")
+            text = render_chat(tokenizer, messages, tools)
             tokens = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own
         if not tokens:
             raise DataError(f"{where} encodes to no tokens; check the tokenizer (model.name_or_path) or drop that row.")

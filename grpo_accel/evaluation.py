@@ -5,6 +5,7 @@ import torch
 
 from grpo_accel import batch as K
 from grpo_accel.data import encode_prompts
+from grpo_accel.metrics import episode_columns, episode_scalars
 from grpo_accel.rewards import RewardSet
 from grpo_accel.rollout.collector import score_rollout
 
@@ -26,15 +27,17 @@ class Evaluator:
 
     def __init__(self, engine, tokenizer, rows: list[dict], rewards: RewardSet, *, every: int, k: int = 4,
                  prompt_field: str = "prompt", system_prompt: str | None = None, success_threshold: float = 1.0,
-                 seed: int = 1_000_003) -> None:
+                 seed: int = 1_000_003, episodes=None) -> None:
         if not rows:
             raise ValueError("Evaluator: no held-out rows; set data.holdout (built-in task) or data.eval_path.")
         if every < 1 or k < 1:
             raise ValueError(f"Evaluator: every={every} and k={k} must be >= 1.")
         self.engine, self.tokenizer, self.rows, self.rewards = engine, tokenizer, rows, rewards
         self.every, self.k, self.prompt_field = every, k, prompt_field
+        self.episodes = episodes  # an EpisodeRunner: held-out rows are multi-turn episodes
         self.prompts = encode_prompts(rows, tokenizer, prompt_field=prompt_field, system_prompt=system_prompt,
-                                      source="held-out rows")
+                                      source="held-out rows") if episodes is None else episodes.encode(
+                                          rows, source="held-out rows")
         self.success_threshold, self.seed = success_threshold, seed
         self.history: list[dict[str, float]] = []
 
@@ -55,17 +58,23 @@ class Evaluator:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        prompts = self.prompts.ids
-        greedy = self.engine.generate(prompts, 1, greedy=True)
-        greedy_scores = self._score(greedy, 1)
-        sampled = self.engine.generate(prompts, self.k, seeds=[self.seed + i for i in range(len(prompts))])
-        sampled_scores = self._score(sampled, self.k)
+        n = len(self.rows)
+        greedy_scores, greedy = self._rollout(1, [0] * n, greedy=True)
+        sampled_scores, _ = self._rollout(self.k, [self.seed + i for i in range(n)])
         out = {"eval/reward_greedy_mean": float(greedy_scores[K.REWARD].mean())}
         for name in self.rewards.names:
-            per_prompt = sampled_scores[K.REWARDS, name].view(len(prompts), self.k)  # [P, k]
+            per_prompt = sampled_scores[K.REWARDS, name].view(n, self.k)  # [P, k]
             out[f"eval/{name}/greedy_mean"] = float(greedy_scores[K.REWARDS, name].mean())
             out[f"eval/{name}/pass@{self.k}"] = float((per_prompt >= self.success_threshold).any(-1).float().mean())
+        if K.EPISODE in greedy.keys():
+            out |= {f"eval/{key}": value for key, value in episode_scalars(episode_columns(greedy)).items()}
         return out
 
-    def _score(self, td, group_size: int):
-        return score_rollout(td, self.rows, self.prompts, group_size, self.tokenizer, self.rewards, self.prompt_field)
+    def _rollout(self, group_size: int, seeds: list[int], greedy: bool = False):
+        """(scores, rollout) of every held-out row, ``group_size`` completions (or episodes) each."""
+        if self.episodes is None:
+            td, episodes = self.engine.generate(self.prompts.ids, group_size, seeds=seeds, greedy=greedy), None
+        else:
+            td, episodes = self.episodes.run(self.rows, self.prompts, group_size, seeds, greedy=greedy)
+        return score_rollout(td, self.rows, self.prompts, group_size, self.tokenizer, self.rewards,
+                             self.prompt_field, episodes), td

@@ -295,13 +295,13 @@ class GRPOLoss(nn.Module):
 
     def units(self, td: TensorDict) -> Tensor:
         """How much this micro-batch adds to the aggregation's denominator (see ``aggregation_units``)."""
-        return aggregation_units(self.aggregation, td[K.COMPLETION_MASK], self.max_completion_tokens)
+        return aggregation_units(self.aggregation, K.loss_mask(td), self.max_completion_tokens)
 
     # -- forward --------------------------------------------------------------------------------------
 
     def forward(self, td: TensorDict, normalizer: float | Tensor | None = None) -> TensorDict:
         """Loss of the micro-batch ``td``; ``normalizer`` defaults to this micro-batch's own units."""
-        mask = td[K.COMPLETION_MASK].to(torch.float32)  # [N, T]
+        mask = K.loss_mask(td).to(torch.float32)  # [N, T]: the model's own tokens
         logp, entropy = self.logprobs(self.policy, td, with_entropy=True)  # [N, T] each
         old_logp = td.get(K.OLD_LOGPROBS, None)
         if old_logp is None:  # used once, on-policy: pi_old is the current policy itself

@@ -17,8 +17,9 @@ def mean_over_processes(accelerator, stats: dict[str, float]) -> dict[str, float
 
 
 def rollout_scalars(accelerator, rollout: TensorDict, with_rewards: bool = True) -> dict[str, float]:
-    """Reward (total and per function), completion length, truncation, weight version and the collector's
-    ``stats`` (time_<phase> seconds -> time/<phase>) over all processes."""
+    """Reward (total and per function), completion length, truncation, weight version, the collector's
+    ``stats`` (time_<phase> seconds -> time/<phase>) and, for multi-turn episodes, :func:`episode_scalars`, over
+    all processes."""
     keys = [K.REWARD] + [(K.REWARDS, name) for name in rollout[K.REWARDS].keys()]
     # e.g. dynamic sampling's "stats": one value per row, averaged
     stats = list(rollout["stats"].keys()) if "stats" in rollout.keys() else []
@@ -27,6 +28,8 @@ def rollout_scalars(accelerator, rollout: TensorDict, with_rewards: bool = True)
         (rollout[K.FINISH_REASON] == K.FINISH_LENGTH).float(),
         rollout[K.WEIGHT_VERSION].float(),
     ] + [rollout["stats", name].float() for name in stats]
+    if K.EPISODE in rollout.keys():
+        columns += list(episode_columns(rollout).unbind(1))
     every = accelerator.gather(torch.stack(columns, dim=1).to(accelerator.device))  # [n * processes, k]: one gather
     n = len(keys)
     out = {
@@ -34,6 +37,8 @@ def rollout_scalars(accelerator, rollout: TensorDict, with_rewards: bool = True)
         "train/truncated_fraction": float(every[:, n + 1].mean()),
         "train/weight_version_mean": float(every[:, n + 2].mean()),
     }
+    if K.EPISODE in rollout.keys():  # multi-turn: the last columns
+        out |= {f"train/{k}": v for k, v in episode_scalars(every[:, -len(EPISODE_COLUMNS):]).items()}
     for j, name in enumerate(stats, start=n + 3):  # the collector's seconds per phase go under time/
         out[f"time/{name[5:]}" if name.startswith("time_") else f"train/{name}"] = float(every[:, j].mean())
     if with_rewards:
@@ -42,6 +47,26 @@ def rollout_scalars(accelerator, rollout: TensorDict, with_rewards: bool = True)
             out[f"train/reward/{key[1]}_mean"] = float(every[:, j].mean())
             out[f"train/reward/{key[1]}_std"] = float(every[:, j].std())
     return out
+
+
+EPISODE_COLUMNS = ("turns", "tool_calls", "tool_errors", "model_tokens", "tokens")
+
+
+def episode_columns(rollout: TensorDict) -> torch.Tensor:  # -> [N, len(EPISODE_COLUMNS)] float32
+    """Per-episode counts of a multi-turn rollout, in the order of ``EPISODE_COLUMNS``."""
+    ep = rollout[K.EPISODE]
+    return torch.stack([ep["turns"], ep["tool_calls"], ep["tool_errors"], K.loss_mask(rollout).sum(-1),
+                        rollout[K.COMPLETION_MASK].sum(-1)], dim=1).float()
+
+
+def episode_scalars(columns: torch.Tensor) -> dict[str, float]:
+    """Turns and tool calls per episode, the share of tool calls that failed, episode length in tokens (after
+    the prompt) and the share of those tokens the model wrote, from :func:`episode_columns` of all episodes."""
+    turns, calls, errors, model, tokens = columns.unbind(1)
+    return {"episode/turns_mean": float(turns.mean()), "episode/tool_calls_mean": float(calls.mean()),
+            "episode/tool_error_rate": float(errors.sum() / calls.sum().clamp(min=1)),
+            "episode/tokens_mean": float(tokens.mean()),
+            "episode/model_token_fraction": float(model.sum() / tokens.sum().clamp(min=1))}
 
 
 def completion_samples(rollout: TensorDict, tokenizer, n: int) -> str:

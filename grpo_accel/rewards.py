@@ -8,6 +8,9 @@ A reward function is any callable ``fn(prompts, completions, **fields) -> list[f
 - ``fields``: ``completion_ids`` (list[list[int]]), ``finish_reason`` (list[str]), ``prompt_messages`` (the
   row's chat messages with the system prompt, as TRL passes conversational prompts; None for a string prompt)
   and every extra column of the dataset row (e.g. ``answer``), each a list aligned with ``completions``.
+  For multi-turn episodes (``rollout.environment``) the completion is the model's last turn, and two more fields
+  come: ``conversation`` (the episode's messages, the model's turns as "assistant" messages) and
+  ``env_rewards`` (the environment's per-turn reward terms summed over the episode: name -> float).
 
 It returns one float per completion. Accept ``**fields`` so that new fields never break it.
 """
@@ -24,6 +27,7 @@ from tensordict import TensorDict
 
 RewardFn = Callable[..., Sequence[float]]
 PROVIDED_FIELDS = ("completion_ids", "finish_reason", "prompt_messages")  # besides the dataset's columns
+EPISODE_FIELDS = ("conversation", "env_rewards")  # multi-turn episodes only
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -104,8 +108,13 @@ def same_answer(found: str, expected) -> bool:
                   timeout_seconds=limit)
 
 
+def env_reward(prompts: list[str], completions: list[str], env_rewards: list[dict], **fields) -> list[float]:
+    """The environment's own reward terms of each episode, summed (multi-turn episodes)."""
+    return [float(sum(terms.values())) for terms in env_rewards]
+
+
 BUILTIN_REWARDS: dict[str, RewardFn] = {"answer_match": answer_match, "format_match": format_match,
-                                        "math_answer": math_answer}
+                                        "math_answer": math_answer, "env_reward": env_reward}
 
 
 class RewardError(RuntimeError):

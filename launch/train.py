@@ -33,7 +33,7 @@ log = logging.getLogger("grpo_accel.train")
 def build_trainer(cfg: GRPOConfig):
     import torch
 
-    from grpo_accel.build import build_policy, build_rewards, build_rows
+    from grpo_accel.build import build_environment, build_policy, build_rewards, build_rows
     from grpo_accel.checkpoint import Checkpoint, CheckpointRotation
     from grpo_accel.config import ConfigError, resume_conflicts
     from grpo_accel.distributed import launch_world_size, preflight
@@ -78,6 +78,7 @@ def build_trainer(cfg: GRPOConfig):
     log.info(cfg.describe_batch_layout(accelerator.num_processes))
     engine, sender = build_engine_and_sender(cfg, model, tokenizer, accelerator)
     rewards = build_rewards(cfg.rewards)
+    environment = build_environment(r, cfg.data)
 
     collector = GRPOCollector(  # the trainer gives it this process's share of each batch
         engine, tokenizer, rows, rewards, prompts_per_batch=r.prompts_per_step,
@@ -85,11 +86,12 @@ def build_trainer(cfg: GRPOConfig):
         system_prompt=cfg.data.system_prompt,
         scale_advantages=lc.scale_advantages, leave_one_out=lc.leave_one_out, seed=t.seed,
         dynamic_sampling=r.dynamic_sampling, max_extra_rounds=r.max_extra_rounds,
+        environment=environment, max_turns=r.max_turns, max_episode_tokens=r.max_episode_tokens,
     )
     loss = GRPOLoss(
         model, reference, clip_epsilon=(lc.clip_eps_low, lc.clip_eps_high),
         kl_coef=lc.kl_coef, kl_estimator=lc.kl_estimator, aggregation=lc.aggregation,
-        max_completion_tokens=r.max_new_tokens, importance_level=lc.importance_level, tis_cap=lc.tis_cap,
+        max_completion_tokens=r.model_tokens_per_completion, importance_level=lc.importance_level, tis_cap=lc.tis_cap,
         temperature=r.temperature, packing=lc.packing,
     )
     o = cfg.optim
@@ -114,7 +116,7 @@ def build_trainer(cfg: GRPOConfig):
     if cfg.eval.every_iterations:
         evaluator = Evaluator(engine, tokenizer, held_out, rewards, every=cfg.eval.every_iterations, k=cfg.eval.k,
                               prompt_field=cfg.data.prompt_field, system_prompt=cfg.data.system_prompt,
-                              success_threshold=cfg.eval.success_threshold)
+                              success_threshold=cfg.eval.success_threshold, episodes=collector.episodes)
         trainer.register_op("pre_train", evaluator.before_training, "evaluate_untrained")
         trainer.register_op("post_iteration", evaluator, "evaluate")
     return trainer

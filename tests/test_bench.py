@@ -12,7 +12,8 @@ SMALL = ["--size", "1m", "--steps", "2", "--warmup", "1", "--prompts", "2", "--g
 ITEMS = {"old logprobs from the rollout", "no reference pass at kl_coef=0", "micro-batch trimmed to its longest row",
          "padding-free packed training", "chunked logprobs: peak memory", "chunked logprobs: time",
          "generation batched over prompts x group", "decode loop (rollout.decoder=fast)",
-         "generation stops when all finished", "torch threads from the cores"}
+         "episodes' later turns: prompt prefilled once", "generation stops when all finished",
+         "torch threads from the cores"}
 
 
 def check_result(result: dict, processes: int) -> None:

@@ -33,6 +33,9 @@ ELSEWHERE = {  # how a command starts -> why it does not run in this suite, and 
     ".venv/bin/accelerate launch --config_file accelerate_configs/single_process.yaml launch/train.py --config "
     "launch/configs/smollm2_arithmetic.yaml": "40 minutes; tests/test_launch.py runs the recipe's path on the real "
         "model at a tiny scale",
+    ".venv/bin/accelerate launch --config_file accelerate_configs/single_process.yaml launch/train.py --config "
+    "launch/configs/smollm2_calculator.yaml": "about 10 minutes; tests/test_episodes.py runs the recipe's path on the "
+        "real model at a tiny scale",
 }
 TRAINS = re.compile(r"accelerate launch --config_file accelerate_configs/\w+\.yaml launch/train\.py$")
 

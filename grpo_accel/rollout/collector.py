@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from typing import Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 import torch
 from tensordict import TensorDict
@@ -12,25 +12,34 @@ from tensordict import TensorDict
 from grpo_accel import batch as K
 from grpo_accel.data import DataError, Prompts, check_columns, encode_prompts
 from grpo_accel.loss import group_advantages
-from grpo_accel.rewards import PROVIDED_FIELDS, RewardSet
+from grpo_accel.rewards import EPISODE_FIELDS, PROVIDED_FIELDS, RewardSet
+
+if TYPE_CHECKING:
+    from grpo_accel.rollout.episodes import Environment, EpisodeRunner
 
 logger = logging.getLogger(__name__)
 
-RESERVED_FIELDS = ("prompts", "completions", *PROVIDED_FIELDS)
+RESERVED_FIELDS = ("prompts", "completions", *PROVIDED_FIELDS, *EPISODE_FIELDS)
 TIMED = ("time_generate", "time_score")
 FINISH_NAMES = {code: name for name, code in K.FINISH_REASONS.items()}
 
 
 def score_rollout(td: TensorDict, rows: list[dict], prompts: Prompts, group_size: int, tokenizer,
-                  rewards: RewardSet, prompt_field: str = "prompt") -> TensorDict:
+                  rewards: RewardSet, prompt_field: str = "prompt", episodes: list | None = None) -> TensorDict:
     """Rewards of a rollout whose groups come from ``rows`` (one row per group, ``prompts`` their rendered
-    prompts): decode, call every function."""
+    prompts): decode, call every function. For ``episodes`` (:class:`~grpo_accel.rollout.episodes.EpisodeRunner`'s)
+    the completion is the model's last turn; ``conversation`` and ``env_rewards`` come as fields too."""
     repeat = lambda values: [v for v in values for _ in range(group_size)]  # noqa: E731 - one per completion
-    ids = [c[m.bool()].tolist() for c, m in zip(td[K.COMPLETION_IDS], td[K.COMPLETION_MASK])]
     fields = {k: repeat(row[k] for row in rows) for k in rows[0] if k != prompt_field}
+    if episodes is None:
+        ids = [c[m.bool()].tolist() for c, m in zip(td[K.COMPLETION_IDS], td[K.COMPLETION_MASK])]
+        texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    else:
+        ids, texts = [ep.turn_ids for ep in episodes], [ep.messages[-1]["content"] for ep in episodes]
+        fields |= {"conversation": [ep.messages for ep in episodes], "env_rewards": [ep.env_rewards for ep in episodes]}
     return rewards(
         repeat(prompts.texts),
-        tokenizer.batch_decode(ids, skip_special_tokens=True),
+        texts,
         completion_ids=ids,
         finish_reason=[FINISH_NAMES[int(r)] for r in td[K.FINISH_REASON]],
         prompt_messages=repeat(prompts.messages),
@@ -80,7 +89,12 @@ class GRPOCollector:
             until the batch is full, for at most ``max_extra_rounds`` extra rounds; tied groups fill what is
             still missing, so the batch size never changes. ``stats`` in the rollout reports the fraction dropped.
         sync_any: with several processes, ``sync_any(flag)`` must return True on every process when any passed
-            True (an all-reduce), so that all take the same number of extra rounds.
+            True (an all-reduce), so that all take the same number of extra rounds (and episode turns).
+        environment: makes a fresh :class:`~grpo_accel.rollout.episodes.Environment` per episode: completions
+            become multi-turn episodes (the model's turns, the environment's answers) of at most ``max_turns``
+            model turns and ``max_episode_tokens`` tokens after the prompt; the first messages come from its
+            ``reset(row)`` (rendered with its tools' schemas), and reward functions also get ``conversation`` and
+            ``env_rewards``. None: one completion per prompt, as always.
 
     Example:
         >>> collector = GRPOCollector(engine, tok, rows, RewardSet({"answer": answer_match}),
@@ -108,6 +122,9 @@ class GRPOCollector:
         dynamic_sampling: bool = False,
         max_extra_rounds: int = 4,
         sync_any: Callable[[bool], bool] = bool,
+        environment: Callable[[], "Environment"] | None = None,
+        max_turns: int = 4,
+        max_episode_tokens: int | None = None,
     ) -> None:
         if group_size < 2:
             raise ValueError(
@@ -127,10 +144,25 @@ class GRPOCollector:
         self.epoch, self.position, self.batches = 0, 0, 0
         self._seconds = dict.fromkeys(TIMED, 0.0)  # this batch's seconds per phase
         self._order = self._shuffled(0)
-        check_columns(rows, rewards.required_columns())
+        self.episodes: EpisodeRunner | None = None
+        if environment is not None:
+            from grpo_accel.rollout.episodes import EpisodeRunner
+
+            if max_turns < 1:
+                raise ValueError(f"rollout.max_turns={max_turns}: an episode needs at least one model turn; use >= 1.")
+            self.episodes = EpisodeRunner(engine, tokenizer, environment, max_turns=max_turns,
+                                          max_episode_tokens=max_episode_tokens, sync_any=lambda f: self.sync_any(f))
+        for name, columns in rewards.required_columns().items():
+            if environment is None and (needs := [c for c in columns if c in EPISODE_FIELDS]):
+                raise DataError(f"reward {name!r} needs {needs}, which only multi-turn episodes provide; set "
+                                "rollout.environment, or drop that reward.")
+        check_columns(rows, rewards.required_columns(PROVIDED_FIELDS + (EPISODE_FIELDS if environment else ())))
         # every row rendered, tokenised and checked before any batch
-        self.prompts = encode_prompts(rows, tokenizer, prompt_field=prompt_field, system_prompt=system_prompt,
-                                      max_tokens=max_prompt_tokens)
+        if self.episodes is not None:
+            self.prompts = self.episodes.encode(rows, max_tokens=max_prompt_tokens)
+        else:
+            self.prompts = encode_prompts(rows, tokenizer, prompt_field=prompt_field, system_prompt=system_prompt,
+                                          max_tokens=max_prompt_tokens)
         self._warn_unknown_tokens()
 
     def shard(self, rank: int, world_size: int, sync_any: Callable[[bool], bool]) -> None:
@@ -209,9 +241,15 @@ class GRPOCollector:
         # Seeds depend on (seed, group id) only: the same samples whatever the number of processes.
         seeds = [(self.seed % 2**20) * 2**36 + g for g in group_ids]
         start = time.perf_counter()
-        td = self.engine.generate([self.prompts.ids[i] for i in indices], self.group_size, seeds=seeds)
+        prompt_ids = [self.prompts.ids[i] for i in indices]
+        if self.episodes is None:
+            td, episodes = self.engine.generate(prompt_ids, self.group_size, seeds=seeds), None
+        else:
+            td, episodes = self.episodes.run([self.rows[i] for i in indices], self.prompts.take(indices),
+                                             self.group_size, seeds)
         scored = time.perf_counter()
-        td.update(self._score(td, indices))
+        td.update(score_rollout(td, [self.rows[i] for i in indices], self.prompts.take(indices), self.group_size,
+                                self.tokenizer, self.rewards, self.prompt_field, episodes))
         self._seconds["time_generate"] += scored - start
         self._seconds["time_score"] += time.perf_counter() - scored
         td[K.ADVANTAGES] = group_advantages(
@@ -220,10 +258,6 @@ class GRPOCollector:
         td[K.GROUP_ID] = torch.tensor(group_ids).repeat_interleave(self.group_size)
         self.batches += 1
         return td
-
-    def _score(self, td: TensorDict, indices: list[int]) -> TensorDict:
-        return score_rollout(td, [self.rows[i] for i in indices], self.prompts.take(indices), self.group_size,
-                             self.tokenizer, self.rewards, self.prompt_field)
 
     def __iter__(self) -> Iterator[TensorDict]:
         while True:

@@ -5,7 +5,8 @@ attention mask from the 2-D padding mask, grows the key/value cache by concatena
 processors and stopping criteria one by one. This loop keeps the model's forward (any causal LM whose layers
 all use full attention) and does the rest once:
 
-- one prefill per prompt: the G completions of a prompt copy its keys and values instead of recomputing them;
+- one prefill per prompt: the G completions of a prompt copy its keys and values instead of recomputing them
+  (a later turn of multi-turn episodes too: each episode then prefills only its own tokens after the prompt);
 - a key/value cache allocated once for the whole completion budget, written in place (:class:`BudgetCache`);
 - the attention mask as a slice of one boolean buffer, passed in 4-D form, so the model builds no mask of its
   own;
@@ -146,7 +147,7 @@ class Decoder:
             return out.logits[:, -1]
 
         self.forward = torch.compile(forward, dynamic=True) if compiled else forward
-        self.synced = _zero3_group()
+        self.synced = zero3_group()
 
     def _everywhere(self, finished: bool) -> bool:
         """Whether every process finished. Under ZeRO-3 each forward gathers parameters from all processes, so
@@ -166,28 +167,47 @@ class Decoder:
         prompt_ids: Tensor,  # [P, L] left-padded, one row per prompt
         prompt_mask: Tensor,  # [P, L]
         group_size: int,
-        keys: Tensor | None,  # [P * G] sampling keys, None for greedy
+        keys: Tensor | None,  # [N] sampling keys, None for greedy
         settings: DecodeSettings,
-    ) -> tuple[Tensor, Tensor]:  # completions [P * G, C] (pad after EOS), logprobs [P * G, C] (float32 or wider)
-        """Sample ``group_size`` completions per prompt; C is the longest completion (at most the budget)."""
+        *,
+        rows: Tensor | None = None,  # [N] the prompt each row continues (default: group_size rows per prompt)
+        suffix_ids: Tensor | None = None,  # [N, S] left-padded: each row's tokens between its prompt and the draws
+        suffix_mask: Tensor | None = None,  # [N, S]
+    ) -> tuple[Tensor, Tensor]:  # completions [N, C] (pad after EOS), logprobs [N, C] (float32 or wider)
+        """Sample ``group_size`` completions per prompt; C is the longest completion (at most the budget).
+
+        With ``rows`` and ``suffix_ids`` (a later turn of multi-turn episodes), row i continues prompt ``rows[i]``
+        after its own suffix: each prompt is prefilled once for all its rows, then only the suffixes are.
+        """
         device = prompt_ids.device
         prompts, width = prompt_ids.shape
-        rows = prompts * group_size
+        if rows is None:
+            rows = torch.arange(prompts, device=device).repeat_interleave(group_size)
+        n, extra = rows.numel(), 0 if suffix_ids is None else suffix_ids.shape[1]
         budget = settings.max_new_tokens
-        cache = BudgetCache(self.model.config.num_hidden_layers, width + budget)
-        visible = torch.ones(rows, width + budget, dtype=torch.bool, device=device)  # [N, L + C] keys a row may see
-        visible[:, :width] = prompt_mask.bool().repeat_interleave(group_size, 0)
+        cache = BudgetCache(self.model.config.num_hidden_layers, width + extra + budget)
+        visible = torch.ones(n, width + extra + budget, dtype=torch.bool, device=device)  # [N, L + S + C] keys seen
+        visible[:, :width] = prompt_mask.bool()[rows]
         positions = position_ids_from_mask(prompt_mask)  # [P, L]
 
         logits = self.forward(prompt_ids, self._mask(_prefill_mask(prompt_mask)), positions, cache)  # [P, V]
         cache.advance(width)
-        cache.take_rows(torch.arange(prompts, device=device).repeat_interleave(group_size))
-        logits = logits.repeat_interleave(group_size, 0)  # [N, V]
+        cache.take_rows(rows)
+        logits = logits[rows]  # [N, V]
+        next_position = positions[rows, -1:] + 1  # [N, 1]
+        if suffix_ids is not None:
+            visible[:, width : width + extra] = suffix_mask.bool()
+            suffix_positions = next_position + suffix_mask.cumsum(1) - 1  # [N, S]
+            mask = visible[:, None, None, : width + extra].repeat(1, 1, extra, 1)  # [N, 1, S, L + S]
+            mask[..., width:] &= torch.ones(extra, extra, dtype=torch.bool, device=device).tril()
+            mask[..., width:] |= torch.eye(extra, dtype=torch.bool, device=device)  # a padding query sees itself
+            logits = self.forward(suffix_ids, self._mask(mask), suffix_positions, cache)
+            cache.advance(extra)
+            next_position = suffix_positions[:, -1:] + 1
         draw = _Draws(keys, settings, logits.shape[-1])
-        next_position = positions[:, -1:].repeat_interleave(group_size, 0) + 1  # [N, 1]
 
-        live = torch.arange(rows, device=device)  # [M] the batch rows still decoding, in batch order
-        done = torch.zeros(rows, dtype=torch.bool, device=device)  # [M]
+        live = torch.arange(n, device=device)  # [M] the batch rows still decoding, in batch order
+        done = torch.zeros(n, dtype=torch.bool, device=device)  # [M]
         drawn: list[tuple[Tensor, Tensor, Tensor]] = []  # (live rows, token [M], logprob [M]) per step
         for step in range(budget):
             token, logprob = draw(logits, step)  # [M], [M]; rows already done draw garbage, masked at the end
@@ -205,7 +225,7 @@ class Decoder:
             logits = self.forward(token[:, None], mask, next_position, cache)
             cache.advance(1)
             next_position = next_position + 1
-        return _assemble(drawn, rows, settings)
+        return _assemble(drawn, n, settings)
 
     def _mask(self, mask: Tensor) -> Tensor:  # [B, 1, Q, S] bool -> the attention's format
         """A 4-D mask reaches the attention as it is (transformers' mask creation returns it unchanged)."""
@@ -268,7 +288,7 @@ class _Draws:
         return self.noise[:, step - self.first]
 
 
-def _zero3_group() -> bool:
+def zero3_group() -> bool:
     """ZeRO-3 with several processes: the model's parameters are partitioned across the group."""
     import torch.distributed as dist
 

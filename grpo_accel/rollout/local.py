@@ -95,6 +95,13 @@ class EmbeddedEngine:
     def pad_id(self) -> int:
         return self.settings.pad_id
 
+    @property
+    def collective(self) -> bool:
+        """Whether every process must call :meth:`generate` together (ZeRO-3 partitions the weights over them)."""
+        from grpo_accel.rollout.decode import zero3_group
+
+        return zero3_group()
+
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int] | None = None,
                  greedy: bool = False) -> TensorDict:
@@ -104,38 +111,56 @@ class EmbeddedEngine:
         is the same whatever else is generated with it. Without seeds, they are drawn from torch's RNG.
         ``greedy`` takes the most likely token instead of sampling (evaluation).
         """
-        s = self.settings
-        ids = K.pad_sequences(prompt_ids, s.pad_id, "left")  # [P, L]
+        ids = K.pad_sequences(prompt_ids, self.pad_id, "left")  # [P, L]
         mask = K.pad_sequences([[1] * len(p) for p in prompt_ids], 0, "left")
         if seeds is None:
             seeds = torch.randint(0, 2**56, (len(prompt_ids),)).tolist()
         keys = None if greedy else torch.tensor([k * group_size + j for k in seeds for j in range(group_size)])
+        td = self._sample(ids, mask, keys, torch.arange(len(prompt_ids)).repeat_interleave(group_size))
+        td[K.PROMPT_IDS], td[K.PROMPT_MASK] = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)
+        return td
+
+    @torch.no_grad()
+    def continue_rows(self, prompt_ids: list[list[int]], rows: list[int], suffixes: list[list[int]],
+                      keys: list[int] | None) -> TensorDict:
+        """One more turn of multi-turn episodes: row i continues ``prompt_ids[rows[i]] + suffixes[i]`` with the
+        random stream ``keys[i]`` (None: greedy), as ``generate`` would with that context and seed and group size
+        1, but each prompt is prefilled once for all its rows (the fast decoder; ``generate`` re-reads contexts).
+        A TensorDict [len(rows)] of the new tokens: completion ids, mask and logprobs, finish reason, version."""
+        ids = K.pad_sequences(prompt_ids, self.pad_id, "left")  # [P, L]
+        mask = K.pad_sequences([[1] * len(p) for p in prompt_ids], 0, "left")
+        suffix = (K.pad_sequences(suffixes, self.pad_id, "left"), K.pad_sequences([[1] * len(x) for x in suffixes], 0, "left"))
+        return self._sample(ids, mask, None if keys is None else torch.tensor(keys), torch.tensor(rows), suffix)
+
+    def _sample(self, ids: Tensor, mask: Tensor, keys: Tensor | None, rows: Tensor,
+                suffix: tuple[Tensor, Tensor] | None = None) -> TensorDict:
+        """Draw a completion for each row (continuing prompt ``rows[i]``, then its suffix): the completion keys of
+        a rollout TensorDict [len(rows)]."""
+        s = self.settings
         device = next(self.model.parameters()).device
         with self.lock:
             was_training = self.model.training
             self.model.eval()
             try:
                 with self.gather():
-                    decode = self._decode if self.fast else self._generate
-                    completion, logprobs = decode(ids.to(device), mask.to(device), group_size, keys)  # [N, C] each
+                    if self.fast:
+                        completion, logprobs = self._decode(ids.to(device), mask.to(device), keys, rows.to(device),
+                                                            suffix and tuple(t.to(device) for t in suffix))
+                    else:
+                        completion, logprobs = self._generate(*_contexts(ids, mask, rows, suffix, s.pad_id), keys)
             finally:
                 self.model.train(was_training)
             version = self.weight_version
-        completion_mask = (~K.after_stop(completion, s.eos_id)).long()
+        completion_mask = (~K.after_stop(completion, s.eos_id)).long()  # [N, C]
         finish = torch.where((completion == s.eos_id).any(1), K.FINISH_STOP, K.FINISH_LENGTH)
         n = completion.shape[0]
-        return TensorDict(
-            {
-                K.PROMPT_IDS: ids.repeat_interleave(group_size, 0),
-                K.PROMPT_MASK: mask.repeat_interleave(group_size, 0),
-                K.COMPLETION_IDS: completion.where(completion_mask.bool(), s.pad_id).cpu(),
-                K.COMPLETION_MASK: completion_mask.cpu(),
-                K.ENGINE_LOGPROBS: (logprobs * completion_mask).float().cpu(),
-                K.FINISH_REASON: finish.cpu(),
-                K.WEIGHT_VERSION: torch.full((n,), version, dtype=torch.long),
-            },
-            batch_size=[n],
-        )
+        return TensorDict({
+            K.COMPLETION_IDS: completion.where(completion_mask.bool(), s.pad_id).cpu(),
+            K.COMPLETION_MASK: completion_mask.cpu(),
+            K.ENGINE_LOGPROBS: (logprobs * completion_mask).float().cpu(),
+            K.FINISH_REASON: finish.cpu(),
+            K.WEIGHT_VERSION: torch.full((n,), version, dtype=torch.long),
+        }, batch_size=[n])
 
     def close(self) -> None:
         """Stop the decode worker, if one runs."""
@@ -143,7 +168,8 @@ class EmbeddedEngine:
             self.worker.close()
             self.worker = None
 
-    def _decode(self, ids: Tensor, mask: Tensor, group_size: int, keys: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _decode(self, ids: Tensor, mask: Tensor, keys: Tensor | None, rows: Tensor,
+                suffix: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
         if self.use_worker and self.worker is None:
             from grpo_accel.rollout.worker import DecodeWorker
 
@@ -152,17 +178,20 @@ class EmbeddedEngine:
             from grpo_accel.rollout.decode import Decoder
 
             self.decoder = Decoder(self.model, self.compiled)
-        return (self.worker or self.decoder)(ids, mask, group_size, keys, self.settings)
+        more = {} if suffix is None else {"suffix_ids": suffix[0], "suffix_mask": suffix[1]}
+        return (self.worker or self.decoder)(ids, mask, 1, keys, self.settings, rows=rows, **more)
 
-    def _generate(self, ids: Tensor, mask: Tensor, group_size: int, keys: Tensor | None) -> tuple[Tensor, Tensor]:
-        """transformers' ``generate`` with the keyed sampler as its logits processor: (completion, logprobs)."""
+    def _generate(self, ids: Tensor, mask: Tensor, keys: Tensor | None) -> tuple[Tensor, Tensor]:
+        """transformers' ``generate`` over rows [N, L] with the keyed sampler as its logits processor:
+        (completion, logprobs)."""
         from transformers import GenerationConfig
 
         s = self.settings
         config = GenerationConfig(do_sample=False, max_new_tokens=s.max_new_tokens, min_new_tokens=s.min_new_tokens or None,
                                   eos_token_id=s.eos_id, pad_token_id=s.pad_id, output_logits=True,
                                   return_dict_in_generate=True)
-        ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)  # [N, L]
+        device = next(self.model.parameters()).device
+        ids, mask = ids.to(device), mask.to(device)
         processors = [] if keys is None else [KeyedSampler(keys, ids.shape[1], s.temperature, s.top_k, s.top_p)]
         out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=processors)
         completion = out.sequences[:, ids.shape[1] :]  # [N, C]
@@ -171,6 +200,15 @@ class EmbeddedEngine:
             dim=1,
         )
         return completion, logprobs
+
+
+def _contexts(ids: Tensor, mask: Tensor, rows: Tensor, suffix: tuple[Tensor, Tensor] | None,
+              pad_id: int) -> tuple[Tensor, Tensor]:  # -> ids [N, L'], mask [N, L'], left-padded
+    """Each row's whole context: its prompt (``ids[rows[i]]``) followed by its suffix, left-padded again."""
+    if suffix is None:
+        return ids[rows], mask[rows]
+    joined = [torch.cat([ids[r][mask[r].bool()], s[m.bool()]]).tolist() for r, s, m in zip(rows.tolist(), *suffix)]
+    return K.pad_sequences(joined, pad_id, "left"), K.pad_sequences([[1] * len(j) for j in joined], 0, "left")
 
 
 class EmbeddedWeightSync:

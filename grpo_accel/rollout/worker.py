@@ -40,14 +40,15 @@ class DecodeWorker:
         child.close()
 
     def __call__(self, prompt_ids: Tensor, prompt_mask: Tensor, group_size: int, keys: Tensor | None,
-                 settings: DecodeSettings) -> tuple[Tensor, Tensor]:
+                 settings: DecodeSettings, **rows_and_suffix: Tensor) -> tuple[Tensor, Tensor]:
         """As :meth:`Decoder.__call__ <grpo_accel.rollout.decode.Decoder.__call__>`, in the worker (CPU tensors)."""
         unshared = [name for name, p in self.model.named_parameters() if not p.is_shared()]
         if unshared:  # a parameter was replaced, not updated in place: the worker would sample from old weights
             raise RuntimeError(f"decode worker: parameters {unshared[:3]} are no longer in shared memory (replaced "
                                "rather than updated in place); the worker cannot see them. Update the engine's "
                                "weights with copy_ (EmbeddedWeightSync does).")
-        request = (prompt_ids.numpy(), prompt_mask.numpy(), group_size, None if keys is None else keys.numpy(), settings)
+        request = (prompt_ids.numpy(), prompt_mask.numpy(), group_size, None if keys is None else keys.numpy(), settings,
+                   {name: t.numpy() for name, t in rows_and_suffix.items()})
         try:
             self._conn.send(request)
             status, *answer = self._conn.recv()
@@ -84,10 +85,11 @@ def _serve(model: nn.Module, compiled: bool, conn, threads: int) -> None:
             return
         if request is None:
             return
-        ids, mask, group_size, keys, settings = request
+        ids, mask, group_size, keys, settings, more = request
         try:
             tokens, logprobs = decoder(torch.from_numpy(ids), torch.from_numpy(mask), group_size,
-                                       None if keys is None else torch.from_numpy(keys), settings)
+                                       None if keys is None else torch.from_numpy(keys), settings,
+                                       **{name: torch.from_numpy(a) for name, a in more.items()})
             conn.send(("ok", tokens.numpy(), logprobs.numpy()))
         except Exception:  # handed to the trainer, which raises it
             conn.send(("error", traceback.format_exc()))
