@@ -14,7 +14,7 @@ _EXPORTS = {
     "ReplayBuffer": "grpo_accel.buffer",
     "RewardSet": "grpo_accel.rewards",
     "GRPOCollector": "grpo_accel.rollout.collector",
-    "EmbeddedEngine": "grpo_accel.rollout.local",
+    "EmbeddedEngine": "grpo_accel.rollout.embedded",
     "TensorBoardLogger": "grpo_accel.tracking",
     "GRPOConfig": "grpo_accel.config",
 }

@@ -110,14 +110,15 @@ class BareLoop:
 
 def run(args) -> dict | None:
     """Measure; the result on the main process, None on the others."""
-    from grpo_accel.distributed import full_numel, launch_world_size, preflight, zero_stage
+    from grpo_accel.distributed import full_numel, launch_world_size, make_accelerator, preflight, zero_stage
     from grpo_accel.loss import GRPOLoss
     from grpo_accel.rewards import RewardSet, answer_match, format_match
     from grpo_accel.rollout.collector import GRPOCollector, score_rollout
-    from grpo_accel.rollout.local import EmbeddedEngine, EmbeddedWeightSync
-    from grpo_accel.runtime import configure_threads, make_accelerator
+    from grpo_accel.rollout.embedded import EmbeddedEngine
+    from grpo_accel.runtime import configure_threads
     from grpo_accel.tasks.addition import addition_rows
     from grpo_accel.trainer import GRPOTrainer
+    from grpo_accel.weight_sync.embedded import EmbeddedWeightSync
 
     if (args.items or args.loop) and launch_world_size() > 1:
         raise SystemExit(f"grpo_accel.bench: {'--items' if args.items else '--loop'} measures on one process; run it "
@@ -255,8 +256,9 @@ def loop(args, model, tokenizer, rows: list[dict], rewards, accelerator) -> dict
 def _loop_trainer(args, variant: str, model, tokenizer, rows, rewards, accelerator):
     from grpo_accel.loss import GRPOLoss
     from grpo_accel.rollout.collector import GRPOCollector
-    from grpo_accel.rollout.local import EmbeddedEngine, EmbeddedWeightSync
+    from grpo_accel.rollout.embedded import EmbeddedEngine
     from grpo_accel.trainer import GRPOTrainer
+    from grpo_accel.weight_sync.embedded import EmbeddedWeightSync
 
     policy = copy.deepcopy(model)
     asynchronous = variant != "sync"

@@ -238,9 +238,11 @@ class LossConfig:
         _check(self.clip_eps_high > 0, "loss.clip_eps_high", self.clip_eps_high, "must be > 0 (e.g. 0.28).")
         _check(self.kl_coef >= 0, "loss.kl_coef", self.kl_coef, "must be >= 0 (0 turns the KL term off).")
         _check(self.tis_cap is None or self.tis_cap >= 1, "loss.tis_cap", self.tis_cap, "use null (off) or >= 1.")
-        _choice("loss.kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
-        _choice("loss.aggregation", self.aggregation, ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"))
-        _choice("loss.importance_level", self.importance_level, ("token", "sequence"))
+        from grpo_accel.loss import AGGREGATIONS, IMPORTANCE_LEVELS, KL_ESTIMATORS  # the registries are the choices
+
+        _choice("loss.kl_estimator", self.kl_estimator, tuple(KL_ESTIMATORS))
+        _choice("loss.aggregation", self.aggregation, tuple(AGGREGATIONS))
+        _choice("loss.importance_level", self.importance_level, tuple(IMPORTANCE_LEVELS))
 
 
 @dataclass

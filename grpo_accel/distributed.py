@@ -1,5 +1,6 @@
-"""Distributed set-up in one place: checks before any process group starts, DeepSpeed values the trainer owns,
-and the ZeRO-3 gather used wherever full parameters are needed (generation, export, weight sync)."""
+"""Distributed set-up in one place: checks before any process group starts, the Accelerator (truly distributed
+on CPU), DeepSpeed values the trainer owns, collective flags, and the ZeRO-3 gather used wherever full
+parameters are needed (generation, export, weight sync)."""
 from __future__ import annotations
 
 import contextlib
@@ -117,6 +118,38 @@ def configure_deepspeed_for(accelerator, module, *, micro_batch: int, accumulati
         configure_deepspeed(plugin.deepspeed_config, micro_batch=micro_batch, accumulation=accumulation,
                             num_processes=accelerator.num_processes, clip_norm=clip_norm,
                             hidden_size=getattr(config, "hidden_size", None))
+
+
+def make_accelerator(gradient_accumulation_steps: int = 1, mixed_precision: str = "no"):
+    """An ``accelerate.Accelerator``; without a GPU it uses gloo so that several processes really form a group.
+
+    (Without the explicit backend, accelerate on CPU leaves every DeepSpeed rank believing it is rank 0 of 1;
+    with it in a single process, accelerate asks for a process group that was never started.)
+    """
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    from grpo_accel.runtime import clear_stale_build_locks
+
+    world = launch_world_size()
+    cpu_only = not torch.cuda.is_available()
+    if uses_deepspeed():  # DeepSpeed JIT-builds ops (on CPU: its shm op) under torch's build lock
+        clear_stale_build_locks()
+    if world > 1 and cpu_only and not uses_deepspeed():
+        os.environ["ACCELERATE_USE_CPU"] = "true"  # a MULTI_GPU (DDP) config on CPU: MULTI_CPU over gloo
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if world > 1 and cpu_only else []
+    accelerator = Accelerator(
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        mixed_precision=mixed_precision,
+        kwargs_handlers=handlers,
+    )
+    if accelerator.num_processes != world or (world > 1 and accelerator.distributed_type.name == "NO"):
+        raise RuntimeError(
+            f"launched {world} processes but Accelerate sees {accelerator.num_processes} "
+            f"({accelerator.distributed_type}); the processes would train alone. Check the accelerate config."
+        )
+    return accelerator
 
 
 def any_process(accelerator, flag: bool) -> bool:

@@ -9,6 +9,7 @@ into the objective by the trainer; every other key is a detached diagnostic.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -19,32 +20,6 @@ from grpo_accel import batch as K
 from grpo_accel.logprobs import sequence_logprobs
 
 logger = logging.getLogger(__name__)
-
-# ----------------------------------------------------------------------------------------------- advantages
-
-
-def group_advantages(
-    rewards: Tensor,  # [N] = [B*G], the G completions of a prompt contiguous
-    group_size: int,
-    scale_by_std: bool = True,
-    leave_one_out: bool = False,
-    eps: float = 1e-4,
-) -> Tensor:  # [N]
-    """Group-relative advantages: each reward minus its group's baseline, optionally over the group's std.
-
-    ``leave_one_out`` uses the mean of the *other* G-1 rewards as baseline (RLOO). A group whose rewards all
-    tie gets advantage 0 in every mode.
-    """
-    r = rewards.view(-1, group_size)  # [B, G]
-    if leave_one_out:
-        baseline = (r.sum(-1, keepdim=True) - r) / (group_size - 1)
-    else:
-        baseline = r.mean(-1, keepdim=True)
-    adv = r - baseline
-    if scale_by_std:
-        adv = adv / (r.std(-1, keepdim=True) + eps)
-    return adv.reshape(-1)
-
 
 # ------------------------------------------------------------------------------------------ importance ratio
 
@@ -125,22 +100,41 @@ def sequence_token_mean_sum(token_loss: Tensor, mask: Tensor) -> Tensor:  # [N, 
     return ((token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum()
 
 
-AGGREGATIONS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "token_mean": masked_token_sum,  # DAPO: every token of the step weighs the same
-    "seq_mean_token_mean": sequence_token_mean_sum,  # original GRPO: mean over sequences of token means
-    "seq_mean_token_sum_norm": masked_token_sum,  # Dr. GRPO: token sum over a constant (N * max_tokens)
+def token_units(mask: Tensor, max_completion_tokens: int | None) -> Tensor:  # [N, T] -> []
+    return mask.sum().float()
+
+
+def sequence_units(mask: Tensor, max_completion_tokens: int | None) -> Tensor:  # [N, T] -> []
+    return torch.tensor(float(mask.shape[0]), device=mask.device)
+
+
+def constant_units(mask: Tensor, max_completion_tokens: int | None) -> Tensor:  # [N, T] -> []
+    return torch.tensor(float(mask.shape[0] * max_completion_tokens), device=mask.device)
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    """A loss aggregation: its numerator over a micro-batch, and the units its denominator counts."""
+
+    numerator: Callable[[Tensor, Tensor], Tensor]  # (token_loss [N, T], mask [N, T]) -> []
+    units: Callable[[Tensor, int | None], Tensor]  # (mask [N, T], max_completion_tokens) -> []
+
+    def __call__(self, token_loss: Tensor, mask: Tensor) -> Tensor:
+        return self.numerator(token_loss, mask)
+
+
+AGGREGATIONS: dict[str, Aggregation] = {
+    "token_mean": Aggregation(masked_token_sum, token_units),  # DAPO: every token of the step weighs the same
+    "seq_mean_token_mean": Aggregation(sequence_token_mean_sum, sequence_units),  # GRPO: mean of token means
+    "seq_mean_token_sum_norm": Aggregation(masked_token_sum, constant_units),  # Dr. GRPO: over N * max_tokens
 }
 
 
 def aggregation_units(mode: str, mask: Tensor, max_completion_tokens: int | None) -> Tensor:  # [N, T] -> []
     """The denominator that ``mode`` divides by, for this micro-batch alone (float, on ``mask``'s device)."""
-    if mode == "token_mean":
-        return mask.sum().float()
-    if mode == "seq_mean_token_mean":
-        return torch.tensor(float(mask.shape[0]), device=mask.device)
-    if mode == "seq_mean_token_sum_norm":
-        return torch.tensor(float(mask.shape[0] * max_completion_tokens), device=mask.device)
-    raise ValueError(f"loss aggregation {mode!r} is unknown; choose one of {sorted(AGGREGATIONS)}")
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"loss aggregation {mode!r} is unknown; choose one of {sorted(AGGREGATIONS)}")
+    return AGGREGATIONS[mode].units(mask, max_completion_tokens)
 
 
 def distributed_normalizer(global_units: Tensor, num_processes: int, accumulation_steps: int) -> Tensor:

@@ -1,4 +1,4 @@
-"""Process-level set-up: torch threads per process and an Accelerator that is truly distributed on CPU."""
+"""Process-level set-up: torch threads per process, stale build locks, signals and the terminal, the exit."""
 from __future__ import annotations
 
 import contextlib
@@ -42,38 +42,6 @@ def configure_threads() -> int:
         threads = max(1, available_cores() // max(1, local))
     torch.set_num_threads(threads)
     return threads
-
-
-def make_accelerator(gradient_accumulation_steps: int = 1, mixed_precision: str = "no"):
-    """An ``accelerate.Accelerator``; without a GPU it uses gloo so that several processes really form a group.
-
-    (Without the explicit backend, accelerate on CPU leaves every DeepSpeed rank believing it is rank 0 of 1;
-    with it in a single process, accelerate asks for a process group that was never started.)
-    """
-    import torch
-    from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs
-
-    from grpo_accel.distributed import launch_world_size, uses_deepspeed
-
-    world = launch_world_size()
-    cpu_only = not torch.cuda.is_available()
-    if uses_deepspeed():  # DeepSpeed JIT-builds ops (on CPU: its shm op) under torch's build lock
-        clear_stale_build_locks()
-    if world > 1 and cpu_only and not uses_deepspeed():
-        os.environ["ACCELERATE_USE_CPU"] = "true"  # a MULTI_GPU (DDP) config on CPU: MULTI_CPU over gloo
-    handlers = [InitProcessGroupKwargs(backend="gloo")] if world > 1 and cpu_only else []
-    accelerator = Accelerator(
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        mixed_precision=mixed_precision,
-        kwargs_handlers=handlers,
-    )
-    if accelerator.num_processes != world or (world > 1 and accelerator.distributed_type.name == "NO"):
-        raise RuntimeError(
-            f"launched {world} processes but Accelerate sees {accelerator.num_processes} "
-            f"({accelerator.distributed_type}); the processes would train alone. Check the accelerate config."
-        )
-    return accelerator
 
 
 def extension_build_root() -> Path:
@@ -178,3 +146,50 @@ def stop_on_signals(request_stop: Callable[[str], None]):
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def terminal_foreground():
+    """Inside the block, this process's own process group is the terminal's foreground, when a launcher in the
+    foreground started it in the launcher's group (``accelerate launch`` with one process).
+
+    Ctrl-C signals the terminal's foreground group. In the launcher's group it reaches Accelerate's launcher too,
+    which prints a KeyboardInterrupt traceback and gives the shell back while the trainer is still saving. With
+    the foreground here, Ctrl-C reaches the trainer (and its decode worker) alone: it saves and exits 0, and the
+    launcher, never signalled, exits with that code. The launcher's group gets the terminal back at the end of the
+    block. Ctrl-Z is ignored meanwhile: the shell waits on the launcher and could not resume a stopped trainer.
+    Nothing changes without a terminal, in the background, for a process the shell started itself (a group
+    leader), or under several processes (torch's agent starts every rank in a session of its own, without a
+    terminal: there the agent forwards the signal, and prints its own traceback after the ranks have saved).
+    """
+    try:
+        tty = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
+    except OSError:  # no controlling terminal
+        yield
+        return
+    launcher = os.getpgrp()
+    try:
+        if launcher == os.getpid() or os.tcgetpgrp(tty) != launcher:
+            yield
+            return
+        os.setpgid(0, 0)
+        _give_foreground(tty, os.getpgrp())
+        previous = signal.signal(signal.SIGTSTP, signal.SIG_IGN)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTSTP, previous)
+            _give_foreground(tty, launcher)
+    finally:
+        os.close(tty)
+
+
+def _give_foreground(tty: int, group: int) -> None:
+    """Make ``group`` the terminal's foreground (from a background group, which needs SIGTTOU ignored)."""
+    previous = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    try:
+        os.tcsetpgrp(tty, group)
+    except OSError:  # the launcher's group is gone: the shell takes its terminal back itself
+        pass
+    finally:
+        signal.signal(signal.SIGTTOU, previous)

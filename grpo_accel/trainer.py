@@ -28,11 +28,11 @@ from grpo_accel import batch as K
 from grpo_accel.buffer import ReplayBuffer
 from grpo_accel.checkpoint import (Checkpoint, CheckpointError, RunCheckpointer, load_trainer_payload,
                                    parameter_signature, save_trainer_payload)
-from grpo_accel.distributed import any_process, configure_deepspeed_for, full_shape, zero_stage
+from grpo_accel.distributed import any_process, configure_deepspeed_for, full_shape, make_accelerator, zero_stage
 from grpo_accel.hooks import Hooks
 from grpo_accel.loss import distributed_normalizer
 from grpo_accel.metrics import completion_samples, mean_over_processes, rollout_scalars
-from grpo_accel.runtime import make_accelerator, stop_on_signals
+from grpo_accel.runtime import stop_on_signals
 from grpo_accel.stepper import MixedPrecisionOptimizationStepper
 
 logger = logging.getLogger(__name__)

@@ -16,10 +16,11 @@ import torch
 from grpo_accel import GRPOLoss, GRPOTrainer
 from grpo_accel.rewards import RewardSet, answer_match, format_match
 from grpo_accel.rollout.collector import GRPOCollector
-from grpo_accel.rollout.local import EmbeddedEngine, EmbeddedWeightSync
+from grpo_accel.rollout.embedded import EmbeddedEngine
 from grpo_accel.runtime import configure_threads, exit_skipping_teardown
 from grpo_accel.tasks.addition import addition_rows
 from grpo_accel.tasks.tiny import build_char_tokenizer, build_tiny_model
+from grpo_accel.weight_sync.embedded import EmbeddedWeightSync
 
 
 def main(total_frames: int = 1280) -> GRPOTrainer:

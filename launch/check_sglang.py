@@ -26,7 +26,7 @@ import torch
 import yaml
 
 from grpo_accel import sglang_api as api
-from grpo_accel.rollout.http import HTTPClient, ServerError
+from grpo_accel.http import HTTPClient, ServerError
 
 PROMPTS = ["What is 2+3?", "Name a colour.", "1+2=", "Write one word."]
 GAP = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.1}  # mean |logprob gap| allowed, by sync dtype

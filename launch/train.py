@@ -36,12 +36,11 @@ def build_trainer(cfg: GRPOConfig):
     from grpo_accel.build import build_environment, build_policy, build_rewards, build_rows
     from grpo_accel.checkpoint import Checkpoint, CheckpointRotation
     from grpo_accel.config import ConfigError, resume_conflicts
-    from grpo_accel.distributed import launch_world_size, preflight
+    from grpo_accel.distributed import launch_world_size, make_accelerator, preflight
     from grpo_accel.evaluation import Evaluator
     from grpo_accel.lora import trainable_parameters
     from grpo_accel.loss import GRPOLoss
     from grpo_accel.rollout.collector import GRPOCollector
-    from grpo_accel.runtime import make_accelerator
     from grpo_accel.tracking import TensorBoardLogger
     from grpo_accel.trainer import GRPOTrainer
 
@@ -170,7 +169,8 @@ def build_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
             sender = senders.TensorWeightSender(accelerator, model, r.urls, **common)
         return engine, sender
     from grpo_accel.distributed import gathered_parameters
-    from grpo_accel.rollout.local import EmbeddedEngine, EmbeddedWeightSync
+    from grpo_accel.rollout.embedded import EmbeddedEngine
+    from grpo_accel.weight_sync.embedded import EmbeddedWeightSync
 
     # Async collection generates while the policy is updated, so the engine needs its own copy of the weights.
     engine_model = copy.deepcopy(model) if cfg.trainer.async_collection else model
@@ -349,6 +349,8 @@ def main_reporting_errors(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from grpo_accel.runtime import exit_skipping_teardown
+    from grpo_accel.runtime import exit_skipping_teardown, terminal_foreground
 
-    exit_skipping_teardown(main_reporting_errors())
+    with terminal_foreground():  # Ctrl-C reaches the trainer alone, not Accelerate's launcher too
+        code = main_reporting_errors()
+    exit_skipping_teardown(code)

@@ -15,7 +15,7 @@ from grpo_accel.config import ConfigError, DataConfig
 from grpo_accel.data import DataError, encode_prompts, load_rows, validate_rows
 from grpo_accel.rewards import RewardSet
 from grpo_accel.rollout.collector import GRPOCollector
-from grpo_accel.rollout.local import EmbeddedEngine
+from grpo_accel.rollout.embedded import EmbeddedEngine
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")

@@ -9,7 +9,7 @@ from grpo_accel.config import ConfigError, DataConfig, RewardConfig
 from grpo_accel.data import DataError, load_rows, validate_rows
 from grpo_accel.rewards import RewardSet, answer_match, format_match
 from grpo_accel.rollout.collector import GRPOCollector
-from grpo_accel.rollout.local import EmbeddedEngine
+from grpo_accel.rollout.embedded import EmbeddedEngine
 
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(3) for b in range(3)]
 

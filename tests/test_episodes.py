@@ -8,13 +8,14 @@ import torch
 
 from episode_env import Countdown, chat_tokenizer, short_turn_model
 from grpo_accel import batch as K
+from grpo_accel.advantages import group_advantages
 from grpo_accel.data import render_chat
 from grpo_accel.logprobs import sequence_logprobs
-from grpo_accel.loss import GRPOLoss, group_advantages
+from grpo_accel.loss import GRPOLoss
 from grpo_accel.rewards import RewardSet, env_reward
 from grpo_accel.rollout.collector import GRPOCollector
-from grpo_accel.rollout.episodes import EpisodeRunner, ToolEnvironment, TurnRenderer
-from grpo_accel.rollout.local import EmbeddedEngine
+from grpo_accel.rollout.embedded import EmbeddedEngine
+from grpo_accel.rollout.episodes import EpisodeRunner, TurnRenderer
 from grpo_accel.tasks.calculator import calculator, calculator_environment
 from grpo_accel.tasks.tiny import build_tiny_model
 from grpo_accel.tools import TaggedCallParser, ToolCall, ToolRunner, tool_schema
@@ -420,3 +421,38 @@ def test_the_calculator_recipe_runs_on_the_real_model(tmp_path, smollm2):
     assert [step for step, _ in scalars["eval/episode/tool_calls_mean"]] == [0, 1]
     assert all(1 <= v <= 2 for _, v in scalars["train/episode/turns_mean"])
     assert max(v for _, v in scalars["train/engine_logprob_abs_diff"]) < 1e-3
+
+
+def test_episode_training_stopped_and_resumed_equals_a_straight_run(tok, tmp_path):
+    """Episodes keep the run's promise: stop after 2 batches, resume to 4, and every logged scalar and weight is
+    bitwise the straight 4-batch run's (the episodes' draws are keyed by group and turn, environments hold no
+    state between batches)."""
+    from grpo_accel.checkpoint import Checkpoint
+    from grpo_accel.trainer import GRPOTrainer
+    from grpo_accel.weight_sync.embedded import EmbeddedWeightSync
+    from trainer_utils import reset_accelerate_state, without_wall_times
+
+    taught = short_turn_model(tok).state_dict()
+    rewards = RewardSet({"env_reward": env_reward, "short": lambda p, completions, **f: [-len(c) for c in completions]})
+
+    def run(out, batches, resume=None):
+        reset_accelerate_state()
+        model = build_tiny_model(tok, seed=0)
+        model.load_state_dict(taught)
+        engine = EmbeddedEngine(model, tok, max_new_tokens=6)
+        collector = GRPOCollector(engine, tok, ROWS, rewards, prompts_per_batch=2, group_size=2,
+                                  environment=Countdown, max_turns=3)
+        trainer = GRPOTrainer(collector=collector, total_frames=4 * batches, loss_module=GRPOLoss(model),
+                              optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                              weight_sync_sender=EmbeddedWeightSync(engine), empty_replay_buffer_on_weight_update=True,
+                              seed=0, checkpoint=Checkpoint(out, resume=resume))
+        trainer.train()
+        return trainer, model
+
+    straight, straight_model = run(tmp_path / "a", 4)
+    first, _ = run(tmp_path / "b", 2)
+    resumed, resumed_model = run(tmp_path / "b", 4, resume="auto")
+    assert resumed.iterations == 4 and any(h["train/episode/turns_mean"] > 1 for h in straight.history)
+    assert without_wall_times(first.history + resumed.history) == without_wall_times(straight.history)
+    assert all(torch.equal(a, b) for a, b in zip(resumed_model.parameters(), straight_model.parameters()))
+    reset_accelerate_state()

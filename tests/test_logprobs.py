@@ -6,7 +6,7 @@ from grpo_accel import batch as K
 import pytest
 
 from grpo_accel.logprobs import selected_logprobs, sequence_logprobs
-from grpo_accel.rollout.local import EmbeddedEngine
+from grpo_accel.rollout.embedded import EmbeddedEngine
 
 
 def test_selected_logprobs_equal_log_softmax_gather_and_entropy():

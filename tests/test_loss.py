@@ -7,6 +7,7 @@ import torch
 from tensordict import TensorDict
 
 from grpo_accel import batch as K
+from grpo_accel.advantages import group_advantages
 from grpo_accel.loss import (
     AGGREGATIONS,
     GRPOLoss,
@@ -15,7 +16,6 @@ from grpo_accel.loss import (
     distributed_normalizer,
     effective_sample_size,
     engine_mismatch,
-    group_advantages,
     kl_k1,
     kl_k2,
     kl_k3,
@@ -23,7 +23,7 @@ from grpo_accel.loss import (
     token_log_ratio,
     truncated_is_weights,
 )
-from grpo_accel.rollout.local import EmbeddedEngine
+from grpo_accel.rollout.embedded import EmbeddedEngine
 
 
 def test_group_advantages_by_hand():

@@ -210,3 +210,60 @@ def test_ctrl_c_saves_and_ends_with_the_resume_line(tmp_path):
     assert ours[-1].endswith(f"stopped (received SIGINT) after {frames} frames, saved in {last}; to continue, run "
                              "the same command with checkpoint.resume=auto"), err[-3000:]
     assert 'launch/train.py", line' not in err  # no traceback from the trainer
+
+
+def test_ctrl_c_in_a_terminal_ends_with_the_resume_line_and_no_traceback(tmp_path):
+    """The README's main command in a real terminal (a pseudo-terminal that is the launcher's controlling
+    terminal, the launcher's group in its foreground, as a shell runs it): Ctrl-C (the terminal's ^C) reaches the
+    trainer alone, which saves; Accelerate's launcher prints no KeyboardInterrupt traceback and exits 0, and the
+    last line says how to go on."""
+    import fcntl
+    import os
+    import pty
+    import signal
+    import subprocess
+    import termios
+    import threading
+    import time
+
+    from launching import ACCELERATE, ROOT
+
+    run = tmp_path / "run"
+    cmd = [*ACCELERATE, "--config_file", str(ROOT / "accelerate_configs" / "single_process.yaml"),
+           str(ROOT / "launch" / "train.py"), f"output_dir={run}", "trainer.progress_bar=false"]
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, cwd=ROOT, start_new_session=True,
+                            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))  # the terminal is its own
+    os.close(slave)
+    chunks = []
+
+    def read():
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # EIO: every process holding the terminal has exited
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "tensorboard").is_dir() and time.monotonic() < deadline:  # training has started
+            time.sleep(0.5)
+        time.sleep(2)
+        os.write(master, b"\x03")  # ^C, as typed
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(timeout=10)
+    os.close(master)
+    out = b"".join(chunks).decode(errors="replace")
+    last = Checkpoint(run / "checkpoints").complete()[-1]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert lines[-1].endswith("to continue, run the same command with checkpoint.resume=auto"), out[-3000:]
+    assert str(last) in lines[-1]

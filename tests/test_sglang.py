@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from grpo_accel import batch as K
+from grpo_accel.http import HTTPClient, ServerError
 from grpo_accel.logprobs import sequence_logprobs
-from grpo_accel.rollout.http import HTTPClient, ServerError
 from grpo_accel.rollout.sglang import SGLangEngine
 from launching import ROOT, free_port, launch
 from sglang_source import VERSIONS

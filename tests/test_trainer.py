@@ -168,8 +168,9 @@ def test_a_collector_split_for_another_process_count_is_refused(tokenizer, tiny_
     from grpo_accel import GRPOLoss, GRPOTrainer
     from grpo_accel.rewards import RewardSet, answer_match
     from grpo_accel.rollout.collector import GRPOCollector
-    from grpo_accel.rollout.local import EmbeddedEngine, EmbeddedWeightSync
+    from grpo_accel.rollout.embedded import EmbeddedEngine
     from grpo_accel.tasks.addition import addition_rows
+    from grpo_accel.weight_sync.embedded import EmbeddedWeightSync
 
     engine = EmbeddedEngine(tiny_model, tokenizer, max_new_tokens=4)
     rewards = RewardSet({"answer_match": answer_match})

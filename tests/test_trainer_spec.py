@@ -12,10 +12,11 @@ from grpo_accel.evaluation import Evaluator
 from grpo_accel.hooks import STAGES, HookError
 from grpo_accel.rewards import RewardSet, answer_match, format_match
 from grpo_accel.rollout.collector import GRPOCollector
-from grpo_accel.rollout.local import EmbeddedEngine, EmbeddedWeightSync
+from grpo_accel.rollout.embedded import EmbeddedEngine
 from grpo_accel.stepper import MixedPrecisionOptimizationStepper
 from grpo_accel.tasks.addition import addition_rows
 from grpo_accel.tasks.tiny import build_tiny_model
+from grpo_accel.weight_sync.embedded import EmbeddedWeightSync
 from trainer_utils import fresh_accelerate_state, make_trainer, reset_accelerate_state  # noqa: F401
 
 

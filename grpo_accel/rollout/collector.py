@@ -10,8 +10,8 @@ import torch
 from tensordict import TensorDict
 
 from grpo_accel import batch as K
+from grpo_accel.advantages import group_advantages
 from grpo_accel.data import DataError, Prompts, check_columns, encode_prompts
-from grpo_accel.loss import group_advantages
 from grpo_accel.rewards import EPISODE_FIELDS, PROVIDED_FIELDS, RewardSet
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ class GRPOCollector:
         group_size: completions per prompt (>= 2).
         max_prompt_tokens: a longer prompt (after the chat template) is an error naming its row.
         system_prompt: prepended as a system message to every chat-formatted prompt (see :mod:`grpo_accel.data`).
-        scale_advantages / leave_one_out: see :func:`grpo_accel.loss.group_advantages`.
+        scale_advantages / leave_one_out: see :func:`grpo_accel.advantages.group_advantages`.
         dynamic_sampling: drop groups whose rewards all tie (they carry no gradient) and sample more prompts
             until the batch is full, for at most ``max_extra_rounds`` extra rounds; tied groups fill what is
             still missing, so the batch size never changes. ``stats`` in the rollout reports the fraction dropped.

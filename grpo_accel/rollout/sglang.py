@@ -17,7 +17,7 @@ from tensordict import TensorDict
 
 from grpo_accel import batch as K
 from grpo_accel import sglang_api as api
-from grpo_accel.rollout.http import HTTPClient, ServerError
+from grpo_accel.http import HTTPClient, ServerError
 
 logger = logging.getLogger(__name__)
 

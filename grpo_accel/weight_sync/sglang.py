@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 
 from grpo_accel import sglang_api as api
-from grpo_accel.distributed import gathered_parameters
-from grpo_accel.rollout.http import HTTPClient, ServerError
+from grpo_accel.distributed import any_process, gathered_parameters
+from grpo_accel.http import HTTPClient, ServerError
 from grpo_accel.weight_sync.gather import BucketedGather
 from grpo_accel.weight_sync.group import WeightUpdateGroup
 
@@ -198,10 +198,8 @@ class _Sender:
             return list(pool.map(lambda c: c.post(path, body), self.clients))
 
     def _all_agree(self, ok: bool) -> bool:
-        flag = torch.tensor([0.0 if ok else 1.0], device=self.accelerator.device)
-        if self.accelerator.num_processes > 1:
-            flag = self.accelerator.reduce(flag, reduction="sum")
-        return bool(flag[0] == 0)
+        """True on every process when ``ok`` is true on every process (collective)."""
+        return not any_process(self.accelerator, not ok)
 
     # -- verification ----------------------------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""The embedded rollout engine: batched sampling with transformers' ``generate`` in the trainer process."""
+"""The embedded rollout engine: batched sampling with the policy in the trainer process (grpo_accel's decode loop,
+or transformers' ``generate``), one turn of multi-turn episodes at a time too (``continue_rows``)."""
 from __future__ import annotations
 
 import contextlib
@@ -209,27 +210,3 @@ def _contexts(ids: Tensor, mask: Tensor, rows: Tensor, suffix: tuple[Tensor, Ten
         return ids[rows], mask[rows]
     joined = [torch.cat([ids[r][mask[r].bool()], s[m.bool()]]).tolist() for r, s, m in zip(rows.tolist(), *suffix)]
     return K.pad_sequences(joined, pad_id, "left"), K.pad_sequences([[1] * len(j) for j in joined], 0, "left")
-
-
-class EmbeddedWeightSync:
-    """Weight-sync sender for the embedded engine.
-
-    When the engine generates from the trained model itself (synchronous GRPO), an update only bumps the
-    version. When it has its own copy (``source`` is the trained model; asynchronous collection), the update
-    copies the weights into it, waiting for the generation in progress to finish, like SGLang's writer lock.
-    """
-
-    def __init__(self, engine: EmbeddedEngine, source: nn.Module | None = None) -> None:
-        self.engine, self.source = engine, source
-
-    def update_weights(self) -> None:
-        self.push(self.engine.weight_version + 1)
-
-    @torch.no_grad()
-    def push(self, version: int) -> None:
-        """Give the engine the trained weights as ``version`` (a resumed trainer calls this with its own)."""
-        with self.engine.lock:
-            if self.source is not None and self.source is not self.engine.model:
-                for dst, src in zip(self.engine.model.parameters(), self.source.parameters(), strict=True):
-                    dst.copy_(src.detach())
-            self.engine.weight_version = version
