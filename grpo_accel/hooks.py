@@ -1,17 +1,18 @@
 """Hook stages of the training loop: what runs when, and what a hook may read or change.
 
 A hook is ``fn(trainer, *args)``; register one with ``trainer.register_op(stage, fn, name=...)``. Hooks of a
-stage run in registration order; the trainer's own behaviour is registered the same way (names below).
+stage run in registration order. The loop's own steps (storing the rollout, pushing weights, logging,
+checkpointing) are not hooks: ``GRPOTrainer._iteration`` calls them in order, and the stages sit between them.
 
-| stage            | when                                                | arguments          | may                                   |
-|------------------|-----------------------------------------------------|--------------------|---------------------------------------|
-| pre_train        | once, when ``train()`` starts (after a resume)      | -                  | evaluate the untrained model          |
-| post_collect     | a batch was collected and scored                    | rollout            | return a replacement rollout for the next hook; an empty one skips optimisation (``drop_stale``, ``store_rollout``) |
-| pre_optim        | before the optimisation loop of a batch             | -                  | change trainer state                  |
-| post_optim_step  | after each optimizer step                           | stats (dict)       | add entries to stats (async ``update_weights``) |
-| post_optim       | after the optimisation loop of a batch              | -                  | push weights (sync ``update_weights``) |
-| log              | scalars of the batch are ready, before writing      | rollout, scalars   | add or change scalars (``rollout_metrics``) |
-| post_iteration   | end of an iteration, after logging                  | -                  | save, evaluate, request_stop (``checkpoint``) |
+| stage            | when                                                          | arguments        | may                                   |
+|------------------|---------------------------------------------------------------|------------------|---------------------------------------|
+| pre_train        | once, when ``train()`` starts (after a resume)                | -                | evaluate the untrained model          |
+| post_collect     | a batch was collected and scored, before it is stored          | rollout          | return a replacement (e.g. filtered) rollout for the next hook; an empty one skips optimisation |
+| pre_optim        | the batch is stored (with old / reference logprobs)           | -                | change trainer state                  |
+| post_optim_step  | after each optimizer step (async: after its weight push)      | stats (dict)     | add entries to stats                  |
+| post_optim       | after the optimisation of a batch (sync: weights pushed)      | -                | read the new weights                  |
+| log              | the batch's scalars are ready, before writing                 | rollout, scalars | add or change scalars                 |
+| post_iteration   | end of an iteration, after logging and a checkpoint when due  | -                | evaluate, request_stop                |
 
 A hook that raises stops training with a :class:`HookError` naming the hook and the stage.
 """

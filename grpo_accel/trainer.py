@@ -1,14 +1,16 @@
 """GRPOTrainer: the GRPO loop under an ``accelerate.Accelerator``, with torchrl's constructor and methods.
 
-One iteration (stages in brackets; see :mod:`grpo_accel.hooks`)::
+One iteration (``_iteration``, in this order; the hook stages users register at in brackets, see
+:mod:`grpo_accel.hooks`)::
 
     collector ──► rollout [N] (ids, masks, engine logprobs, rewards, advantages)
-      [post_collect]   store_rollout: old / reference logprobs (only when needed) ─► replay buffer
+      [post_collect]   users may filter or replace the rollout
+      drop it if stale (async); old / reference logprobs (only when needed) ─► replay buffer
       [pre_optim]      num_epochs x micro-batches ─► GRPOLoss ─► stepper (backward / accumulate / clip / step)
-      [post_optim_step] after each optimizer step (async: update_weights every weight_update_frequency steps)
-      [post_optim]     sync: update_weights (once per collected batch), then empty the buffer if asked
-      [log]            rollout_metrics + loss diagnostics ─► logger
-      [post_iteration] checkpoint every save_trainer_interval frames; evaluation
+                       async: push weights every weight_update_frequency optimizer steps; [post_optim_step]
+      sync: push weights (once per collected batch), then empty the buffer if asked; [post_optim]
+      rollout metrics + loss diagnostics; [log] ─► logger
+      checkpoint every save_trainer_interval frames; [post_iteration] (evaluation, request_stop)
 """
 from __future__ import annotations
 
@@ -161,8 +163,7 @@ class GRPOTrainer:
         self._stop_reason: str | None = None
         self._saved_at, self._batch_frames, self._last_log_frames, self._staleness = -1, 0, -math.inf, 0.0
         self._timings: dict[str, float] = defaultdict(float)
-        self.hooks = Hooks()
-        self._register_builtin_hooks()
+        self.hooks = Hooks()  # the users' stages; the loop's own steps are called in _iteration
 
     # ------------------------------------------------------------------------------------------ public API
 
@@ -289,34 +290,30 @@ class GRPOTrainer:
     # ----------------------------------------------------------------------------------------- the loop
 
     def _iteration(self, rollout: TensorDict, bar) -> None:
+        """One collected batch, every step of the loop in order; the hook stages are for users."""
         start = time.perf_counter()
         frames = rollout.numel() * self.accelerator.num_processes * self.frame_skip
         self.frames += frames
         self._batch_frames = frames
         self.iterations += 1
-        kept = self.hooks.chain("post_collect", self, rollout)
+        kept = self.hooks.chain("post_collect", self, rollout)  # users may filter the rollout before it is stored
+        if self.async_collection:
+            kept = self._drop_stale(kept)  # generated with weights too many pushes old: none of it is used
+        self._store_rollout(kept)  # with pi_old / reference logprobs when the loss needs them
         stats: dict[str, float] = {}
         if kept.numel() > 0:
             self.hooks.run("pre_optim", self)
-            stats = self._optimise()
+            stats = self._optimise()  # async: weights pushed every weight_update_frequency optimizer steps
+            if not self.async_collection:
+                self._update_weights()  # sync: once per batch, then the buffer is emptied if asked
             self.hooks.run("post_optim", self)
         self._timings["iteration"] += time.perf_counter() - start
         self._log(rollout, stats)
         if bar is not None:
             bar.update(min(bar.total - bar.n, frames))
             bar.set_postfix(reward=f"{float(rollout[K.REWARD].mean()):.3f}", step_s=f"{time.perf_counter() - start:.2f}")
+        self._checkpoint_when_due()
         self.hooks.run("post_iteration", self)
-
-    def _register_builtin_hooks(self) -> None:
-        if self.async_collection:
-            self.register_op("post_collect", GRPOTrainer._drop_stale, "drop_stale")
-        self.register_op("post_collect", GRPOTrainer._store_rollout, "store_rollout")
-        if self.async_collection:
-            self.register_op("post_optim_step", GRPOTrainer._update_weights_every_n, "update_weights")
-        else:
-            self.register_op("post_optim", GRPOTrainer._update_weights, "update_weights")
-        self.register_op("log", GRPOTrainer._rollout_metrics, "rollout_metrics")
-        self.register_op("post_iteration", GRPOTrainer._checkpoint_when_due, "checkpoint")
 
     def _needs_old_logprobs(self, rows: int) -> bool:
         """pi_old must be stored unless each row is used by exactly one optimizer step taken right after sampling."""
@@ -327,10 +324,11 @@ class GRPOTrainer:
         return self.optim_steps_per_batch or math.ceil(rows / self.replay_buffer.batch_size)
 
     @torch.no_grad()
-    def _store_rollout(self, rollout: TensorDict) -> TensorDict:
-        """Add pi_old and reference logprobs (in micro-batch chunks, as the training forward computes them)."""
+    def _store_rollout(self, rollout: TensorDict) -> None:
+        """Add pi_old and reference logprobs (in micro-batch chunks, as the training forward computes them) and
+        put the rollout in the replay buffer."""
         if rollout.numel() == 0:
-            return rollout
+            return
         loss = self.unwrapped_loss
         methods = []
         if self.async_collection:  # the behaviour policy is the engine's (older) weights: correct towards it
@@ -349,7 +347,6 @@ class GRPOTrainer:
                 rollout[key] = K.concat_rollouts(parts, pad_id=0)[key]
         self.replay_buffer.extend(rollout)
         self._check_accumulation(len(self.replay_buffer))
-        return rollout
 
     def _check_accumulation(self, rows: int) -> None:
         micro, ga = self._micro_batches(rows), self.gradient_accumulation_steps
@@ -360,8 +357,9 @@ class GRPOTrainer:
                 "make completions per batch = batch_size x accumulation x k."
             )
 
-    def _drop_stale(self, rollout: TensorDict) -> TensorDict | None:
-        """Async: a batch generated more than ``max_staleness`` pushes ago (on any process) is dropped."""
+    def _drop_stale(self, rollout: TensorDict) -> TensorDict:
+        """Async: a batch generated more than ``max_staleness`` pushes ago (on any process) is dropped (an empty
+        rollout comes back)."""
         staleness = torch.tensor([float(self.weight_version - int(rollout[K.WEIGHT_VERSION].min()))],
                                  device=self.accelerator.device)
         staleness = float(self.accelerator.reduce(staleness, reduction="max")[0]) if self.accelerator.num_processes > 1 \
@@ -370,7 +368,7 @@ class GRPOTrainer:
         if self.max_staleness is not None and staleness > self.max_staleness:
             self.dropped_batches += 1
             return rollout[:0]
-        return None
+        return rollout
 
     def _optimise(self) -> dict[str, float]:
         """num_epochs passes over the buffer; returns the mean of each scalar over the optimizer steps."""
@@ -383,6 +381,8 @@ class GRPOTrainer:
                 micro_batches = [self.replay_buffer.sample() for _ in range(self.optim_steps_per_batch)]
             for i in range(0, len(micro_batches), ga):
                 stats = self._optimizer_step(micro_batches[i : i + ga])
+                if self.async_collection and self.optim_steps % self.weight_update_frequency == 0:
+                    self._update_weights()
                 self.hooks.run("post_optim_step", self, stats)
                 for key, value in stats.items():
                     sums[key] += value
@@ -427,10 +427,6 @@ class GRPOTrainer:
             self.weight_version += 1
         if self.empty_replay_buffer_on_weight_update:
             self.replay_buffer.empty()
-
-    def _update_weights_every_n(self, stats: dict) -> None:
-        if self.optim_steps % self.weight_update_frequency == 0:
-            self._update_weights()
 
     def _checkpoint_when_due(self) -> None:
         """Save when this iteration's frames crossed a multiple of ``save_trainer_interval``."""
@@ -488,9 +484,6 @@ class GRPOTrainer:
 
         return tqdm(total=self.total_frames, initial=min(self.frames, self.total_frames), desc="frames", unit="completion")
 
-    def _rollout_metrics(self, rollout: TensorDict, scalars: dict[str, float]) -> None:
-        scalars.update(rollout_scalars(self.accelerator, rollout, with_rewards=self.log_rewards))
-
     def _log(self, rollout: TensorDict, stats: dict[str, float]) -> None:
         if self.frames - self._last_log_frames < self.log_interval and self.frames < self.total_frames:
             self._timings.clear()
@@ -503,6 +496,7 @@ class GRPOTrainer:
             scalars["train/staleness"] = self._staleness
             scalars["train/dropped_batches"] = float(self.dropped_batches)
         scalars.update({f"train/{k}": v for k, v in mean_over_processes(self.accelerator, stats).items()})
+        scalars.update(rollout_scalars(self.accelerator, rollout, with_rewards=self.log_rewards))
         self.hooks.run("log", self, rollout, scalars)
         if not self.log_kl:
             scalars = {k: v for k, v in scalars.items() if "kl" not in k}

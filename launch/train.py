@@ -326,7 +326,7 @@ def main_reporting_errors(argv: list[str] | None = None) -> int:
     try:
         try:
             return main(argv)
-        except HookError as err:  # e.g. a checkpoint that cannot be saved, from the checkpoint hook
+        except HookError as err:  # e.g. a user hook (evaluation) meeting a bad setting or file
             if isinstance(err.__cause__, user_errors()):
                 raise err.__cause__ from None
             raise

@@ -24,20 +24,24 @@ def test_every_stage_runs_in_order_with_its_arguments(tokenizer, tiny_model):
     trainer = make_trainer(tokenizer, tiny_model, batch_size=8, total_frames=32)
     calls = []
     for stage in STAGES:
-        trainer.register_op(stage, lambda t, *args, s=stage: calls.append((s, t.iterations, len(args))), f"spy_{stage}")
+        trainer.register_op(stage, lambda t, *args, s=stage: calls.append(
+            (s, t.iterations, len(args), len(t.replay_buffer), t.weight_version)), f"spy_{stage}")
     trainer.train()
     first = [c for c in calls if c[1] == 1]
     assert [c[0] for c in first] == ["post_collect", "pre_optim", "post_optim_step", "post_optim_step",  # 2 steps
                                      "post_optim", "log", "post_iteration"]
-    assert dict((s, n) for s, _, n in first) == {"post_collect": 1, "pre_optim": 0, "post_optim_step": 1,
+    assert {s: n for s, _, n, _, _ in first} == {"post_collect": 1, "pre_optim": 0, "post_optim_step": 1,
                                                  "post_optim": 0, "log": 2, "post_iteration": 0}
-    assert trainer.hooks.names("post_optim") == ["update_weights", "spy_post_optim"]
-    assert trainer.hooks.names("post_collect") == ["store_rollout", "spy_post_collect"]
+    # post_collect comes before the rollout is stored; post_optim after the weights were pushed and the buffer emptied
+    assert {s: (rows, version) for s, _, _, rows, version in first} == {
+        "post_collect": (0, 0), "pre_optim": (16, 0), "post_optim_step": (16, 0), "post_optim": (0, 1), "log": (0, 1),
+        "post_iteration": (0, 1)}
+    assert trainer.hooks.names("post_optim") == ["spy_post_optim"]  # the loop's own steps are no hooks
 
 
 def test_hooks_change_rollouts_and_scalars(tokenizer, tiny_model):
     trainer = make_trainer(tokenizer, tiny_model, total_frames=32)
-    trainer.hooks._ops["post_collect"].insert(0, ("first_group_only", lambda t, r: r[:4]))
+    trainer.register_op("post_collect", lambda t, r: r[:4], "first_group_only")  # before the rollout is stored
     trainer.register_op("log", lambda t, rollout, scalars: scalars.update({"custom/rows": float(rollout.shape[0])}))
     trainer.train()
     assert len(trainer.unwrapped_loss.calls) == 2 and trainer.history[0]["custom/rows"] == 16.0
