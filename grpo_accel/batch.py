@@ -82,6 +82,11 @@ def pad_sequences(seqs: Sequence[Sequence[int | float]], value, side: str, dtype
     return out
 
 
+def padded(seqs: Sequence[Sequence[int]], value: int, side: str) -> tuple[Tensor, Tensor]:  # -> [N, W] each
+    """``seqs`` padded with ``value`` on ``side`` and the mask of their real positions (1) against padding (0)."""
+    return pad_sequences(seqs, value, side), pad_sequences([[1] * len(s) for s in seqs], 0, side)
+
+
 def _pad_width(x: Tensor, width: int, side: str, value) -> Tensor:  # [N, w] -> [N, width]
     extra = width - x.shape[1]
     if extra == 0:

@@ -9,6 +9,7 @@ from pathlib import Path
 from grpo_accel.config import ConfigError, DataConfig, ModelConfig, RewardConfig, RolloutConfig
 from grpo_accel.data import load_rows, validate_rows
 from grpo_accel.rewards import BUILTIN_REWARDS, RewardSet
+from grpo_accel.tasks import BUILTIN_TASKS
 
 
 def build_tokenizer_and_model(cfg: ModelConfig, seed: int = 0):
@@ -92,23 +93,11 @@ def build_rows(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
 
 
 def _builtin_task(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
-    if cfg.task == "chat_arithmetic":
-        from grpo_accel.tasks.chat_arithmetic import chat_arithmetic_rows
-
-        try:
-            return chat_arithmetic_rows(cfg.max_operand, cfg.holdout)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from exc
-    if cfg.task == "calculator":
-        from grpo_accel.tasks.calculator import calculator_rows
-
-        try:
-            return calculator_rows(cfg.max_operand, cfg.holdout)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from exc
-    from grpo_accel.tasks.addition import addition_rows
-
-    return addition_rows(cfg.max_operand, cfg.holdout)
+    module, _, name = BUILTIN_TASKS[cfg.task].partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)(cfg.max_operand, cfg.holdout)
+    except ValueError as exc:  # the task's own check of max_operand / holdout, naming the key
+        raise ConfigError(str(exc)) from exc
 
 
 def resolve_reward(name: str):

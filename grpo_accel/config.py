@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from grpo_accel.tasks import BUILTIN_TASKS
+
 
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or invalid; the message says which and how to fix it."""
@@ -113,7 +115,7 @@ class DataConfig:
     """Built-in task only: rows kept out of training for evaluation."""
 
     def __post_init__(self) -> None:
-        _choice("data.task", self.task, ("addition", "chat_arithmetic", "calculator"))
+        _choice("data.task", self.task, tuple(BUILTIN_TASKS))
         _check(self.max_operand >= 1, "data.max_operand", self.max_operand, "must be >= 1.")
         if self.task == "addition":
             _check(0 <= self.holdout < (self.max_operand + 1) ** 2, "data.holdout", self.holdout,

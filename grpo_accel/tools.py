@@ -23,6 +23,7 @@ import concurrent.futures
 import inspect
 import json
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
@@ -86,18 +87,21 @@ class TaggedCallParser:
 
 
 class ToolRunner:
-    """Runs tool calls on a pool of ``max_workers`` threads, each call limited to ``timeout_s`` seconds.
+    """Runs tool calls on one thread pool that every runner of the process shares (``MAX_WORKERS`` threads,
+    started on first use), each call limited to ``timeout_s`` seconds; a runner is cheap to make per episode.
 
     Calls given together run concurrently and share one deadline. A call that times out is answered with an
     error; its thread runs on to its end (Python cannot stop a thread), so tools that may hang should limit
     themselves too.
     """
 
-    def __init__(self, tools: Sequence[Callable], timeout_s: float = 10.0, max_workers: int = 32) -> None:
+    MAX_WORKERS = 32
+    _pool: concurrent.futures.ThreadPoolExecutor | None = None
+    _pool_lock = threading.Lock()
+
+    def __init__(self, tools: Sequence[Callable], timeout_s: float = 10.0) -> None:
         self.tools = {fn.__name__: fn for fn in tools}
-        self.schemas = [tool_schema(fn) for fn in tools]
         self.timeout_s = timeout_s
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="grpo-tool")
 
     def run(self, calls: Sequence[ToolCall]) -> list[tuple[str, bool]]:
         """One (tool message text, failed) per call, in order; failures are texts starting with "error:"."""
@@ -105,10 +109,17 @@ class ToolRunner:
         concurrent.futures.wait([f for f in futures if f is not None], timeout=self.timeout_s)
         return [self._answer(call, future) for call, future in zip(calls, futures)]
 
+    @classmethod
+    def _shared_pool(cls) -> concurrent.futures.ThreadPoolExecutor:
+        with cls._pool_lock:
+            if ToolRunner._pool is None:
+                ToolRunner._pool = concurrent.futures.ThreadPoolExecutor(cls.MAX_WORKERS, thread_name_prefix="grpo-tool")
+            return ToolRunner._pool
+
     def _submit(self, call: ToolCall) -> concurrent.futures.Future | None:
         if call.error is None and call.name not in self.tools:
             call.error = f"there is no tool {call.name!r}; the tools are {sorted(self.tools)}"
-        return None if call.error is not None else self._pool.submit(self.tools[call.name], **call.arguments)
+        return None if call.error is not None else self._shared_pool().submit(self.tools[call.name], **call.arguments)
 
     def _answer(self, call: ToolCall, future: concurrent.futures.Future | None) -> tuple[str, bool]:
         if future is None:
@@ -121,9 +132,6 @@ class ToolRunner:
         except Exception as exc:  # a tool's failure is the model's to read, not a crash
             return f"error: {call.name} raised {type(exc).__name__}: {exc}", True
         return (value if isinstance(value, str) else json.dumps(value)), False
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def tools_system_prompt(schemas: list[dict], open_tag: str = "<tool_call>", close_tag: str = "</tool_call>") -> str:

@@ -82,7 +82,6 @@ def test_a_function_becomes_a_tool_and_every_failure_a_message():
     assert answers[3] == ("error: there is no tool 'nope'; the tools are ['add', 'boom', 'slow']", True)
     assert answers[4][1] and "add raised TypeError" in answers[4][0] and "'c'" in answers[4][0]
     assert answers[5] == ("error: slow timed out after 0.5 s", True)
-    runner.close()
 
 
 def test_calls_run_concurrently():
@@ -96,7 +95,6 @@ def test_calls_run_concurrently():
 
     runner = ToolRunner([meet], timeout_s=5)
     assert runner.run([ToolCall("meet") for _ in range(4)]) == [("met", False)] * 4
-    runner.close()
 
 
 def test_tool_environment_answers_calls_and_ends_on_a_turn_without_one():
@@ -402,6 +400,10 @@ def test_reward_functions_that_need_episode_fields_need_an_environment(tok):
     with pytest.raises(ValueError, match=r"reward 'env_reward' needs \['env_rewards'\], which only multi-turn episodes "
                                          "provide; set rollout.environment, or drop that reward."):
         GRPOCollector(engine, tok, ROWS, RewardSet({"env_reward": env_reward}), prompts_per_batch=2, group_size=2)
+    for setting, message in [({"max_turns": 0}, "rollout.max_turns=0"), ({"max_episode_tokens": 0}, "max_episode_tokens=0")]:
+        with pytest.raises(ValueError, match=message):
+            GRPOCollector(engine, tok, ROWS, RewardSet({"env_reward": env_reward}), prompts_per_batch=2, group_size=2,
+                          environment=Countdown, **setting)
 
 
 def test_the_calculator_recipe_runs_on_the_real_model(tmp_path, smollm2):

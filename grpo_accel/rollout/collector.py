@@ -148,8 +148,6 @@ class GRPOCollector:
         if environment is not None:
             from grpo_accel.rollout.episodes import EpisodeRunner
 
-            if max_turns < 1:
-                raise ValueError(f"rollout.max_turns={max_turns}: an episode needs at least one model turn; use >= 1.")
             self.episodes = EpisodeRunner(engine, tokenizer, environment, max_turns=max_turns,
                                           max_episode_tokens=max_episode_tokens, sync_any=lambda f: self.sync_any(f))
         for name, columns in rewards.required_columns().items():

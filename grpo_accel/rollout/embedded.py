@@ -112,8 +112,7 @@ class EmbeddedEngine:
         is the same whatever else is generated with it. Without seeds, they are drawn from torch's RNG.
         ``greedy`` takes the most likely token instead of sampling (evaluation).
         """
-        ids = K.pad_sequences(prompt_ids, self.pad_id, "left")  # [P, L]
-        mask = K.pad_sequences([[1] * len(p) for p in prompt_ids], 0, "left")
+        ids, mask = K.padded(prompt_ids, self.pad_id, "left")  # [P, L] each
         if seeds is None:
             seeds = torch.randint(0, 2**56, (len(prompt_ids),)).tolist()
         keys = None if greedy else torch.tensor([k * group_size + j for k in seeds for j in range(group_size)])
@@ -128,9 +127,8 @@ class EmbeddedEngine:
         random stream ``keys[i]`` (None: greedy), as ``generate`` would with that context and seed and group size
         1, but each prompt is prefilled once for all its rows (the fast decoder; ``generate`` re-reads contexts).
         A TensorDict [len(rows)] of the new tokens: completion ids, mask and logprobs, finish reason, version."""
-        ids = K.pad_sequences(prompt_ids, self.pad_id, "left")  # [P, L]
-        mask = K.pad_sequences([[1] * len(p) for p in prompt_ids], 0, "left")
-        suffix = (K.pad_sequences(suffixes, self.pad_id, "left"), K.pad_sequences([[1] * len(x) for x in suffixes], 0, "left"))
+        ids, mask = K.padded(prompt_ids, self.pad_id, "left")  # [P, L] each
+        suffix = K.padded(suffixes, self.pad_id, "left")  # [N, S] each
         return self._sample(ids, mask, None if keys is None else torch.tensor(keys), torch.tensor(rows), suffix)
 
     def _sample(self, ids: Tensor, mask: Tensor, keys: Tensor | None, rows: Tensor,
@@ -209,4 +207,4 @@ def _contexts(ids: Tensor, mask: Tensor, rows: Tensor, suffix: tuple[Tensor, Ten
     if suffix is None:
         return ids[rows], mask[rows]
     joined = [torch.cat([ids[r][mask[r].bool()], s[m.bool()]]).tolist() for r, s, m in zip(rows.tolist(), *suffix)]
-    return K.pad_sequences(joined, pad_id, "left"), K.pad_sequences([[1] * len(j) for j in joined], 0, "left")
+    return K.padded(joined, pad_id, "left")

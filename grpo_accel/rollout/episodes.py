@@ -68,8 +68,6 @@ class ToolEnvironment:
         timeout_s: each call's time limit; a call over it is answered with an error.
         prompt_field / system_prompt: the row's column with the first messages, and a system message to put
             first (as for single-turn prompts, :func:`grpo_accel.data.chat_messages`).
-        runner: a :class:`~grpo_accel.tools.ToolRunner` to share between instances (one thread pool); made
-            from ``tools`` and ``timeout_s`` when None.
 
     Example:
         >>> make_env = lambda: ToolEnvironment([calculator], system_prompt="Use the calculator.")
@@ -78,11 +76,10 @@ class ToolEnvironment:
     """
 
     def __init__(self, tools: Sequence[Callable], *, parser: CallParser | None = None, timeout_s: float = 10.0,
-                 prompt_field: str = "prompt", system_prompt: str | None = None,
-                 runner: ToolRunner | None = None) -> None:
+                 prompt_field: str = "prompt", system_prompt: str | None = None) -> None:
         self.tools = list(tools)
         self.parser = parser or TaggedCallParser()
-        self.runner = runner or ToolRunner(self.tools, timeout_s)
+        self.runner = ToolRunner(self.tools, timeout_s)  # the calls run on the pool all runners share
         self.prompt_field, self.system_prompt = prompt_field, system_prompt
 
     def reset(self, row: dict) -> list[dict]:
@@ -171,6 +168,10 @@ class EpisodeRunner:
 
     def __init__(self, engine, tokenizer, environment: Callable[[], Environment], *, max_turns: int,
                  max_episode_tokens: int | None = None, sync_any: Callable[[bool], bool] = bool) -> None:
+        if max_turns < 1:
+            raise ValueError(f"rollout.max_turns={max_turns}: an episode needs at least one model turn; use >= 1.")
+        if max_episode_tokens is not None and max_episode_tokens < 1:
+            raise ValueError(f"rollout.max_episode_tokens={max_episode_tokens}: must be >= 1, or None for no limit.")
         self.engine, self.tokenizer, self.environment = engine, tokenizer, environment
         self.max_turns, self.max_episode_tokens, self.sync_any = max_turns, max_episode_tokens, sync_any
         first = environment()
@@ -270,11 +271,13 @@ class EpisodeRunner:
         pad = self.engine.pad_id
         n = len(episodes)
         count = lambda attr: torch.tensor([getattr(ep, attr) for ep in episodes], dtype=torch.long)  # noqa: E731
+        prompt_ids, prompt_mask = K.padded(prompts, pad, "left")
+        completion_ids, completion_mask = K.padded([ep.tokens for ep in episodes], pad, "right")
         return TensorDict({
-            K.PROMPT_IDS: K.pad_sequences(prompts, pad, "left"),
-            K.PROMPT_MASK: K.pad_sequences([[1] * len(p) for p in prompts], 0, "left"),
-            K.COMPLETION_IDS: K.pad_sequences([ep.tokens for ep in episodes], pad, "right"),
-            K.COMPLETION_MASK: K.pad_sequences([[1] * len(ep.tokens) for ep in episodes], 0, "right"),
+            K.PROMPT_IDS: prompt_ids,
+            K.PROMPT_MASK: prompt_mask,
+            K.COMPLETION_IDS: completion_ids,
+            K.COMPLETION_MASK: completion_mask,
             K.MODEL_MASK: K.pad_sequences([ep.model for ep in episodes], 0, "right"),
             K.ENGINE_LOGPROBS: K.pad_sequences([ep.logprobs for ep in episodes], 0.0, "right", dtype=torch.float32),
             K.FINISH_REASON: count("finish"),

@@ -104,12 +104,13 @@ class SGLangEngine:
             finish.append(K.FINISH_REASONS[meta["finish_reason"]["type"]])
             versions.append(_version(meta.get("weight_version")))
         n = len(items)
-        prompt_ids = K.pad_sequences(prompts, self.pad_id, "left")
+        prompt_ids, prompt_mask = K.padded(prompts, self.pad_id, "left")
+        completion_ids, completion_mask = K.padded(completions, self.pad_id, "right")
         return TensorDict({
             K.PROMPT_IDS: prompt_ids,
-            K.PROMPT_MASK: K.pad_sequences([[1] * len(p) for p in prompts], 0, "left"),
-            K.COMPLETION_IDS: K.pad_sequences(completions, self.pad_id, "right"),
-            K.COMPLETION_MASK: K.pad_sequences([[1] * len(c) for c in completions], 0, "right"),
+            K.PROMPT_MASK: prompt_mask,
+            K.COMPLETION_IDS: completion_ids,
+            K.COMPLETION_MASK: completion_mask,
             K.ENGINE_LOGPROBS: K.pad_sequences(logprobs, 0.0, "right", dtype=torch.float32),
             K.FINISH_REASON: torch.tensor(finish, dtype=torch.long),
             K.WEIGHT_VERSION: torch.tensor(versions, dtype=torch.long),

@@ -61,10 +61,8 @@ def calculator_rows(max_operand: int = 999, holdout: int = 200, count: int = 400
 
 def calculator_environment(system_prompt: str | None = None, timeout_s: float = 10.0,
                            prompt_field: str = "prompt") -> Callable:
-    """A factory of :class:`~grpo_accel.rollout.episodes.ToolEnvironment` s offering :func:`calculator`, all
-    sharing one tool thread pool."""
+    """A factory of :class:`~grpo_accel.rollout.episodes.ToolEnvironment` s offering :func:`calculator`."""
     from grpo_accel.rollout.episodes import ToolEnvironment
-    from grpo_accel.tools import ToolRunner
 
-    runner = ToolRunner([calculator], timeout_s)
-    return lambda: ToolEnvironment([calculator], runner=runner, system_prompt=system_prompt, prompt_field=prompt_field)
+    return lambda: ToolEnvironment([calculator], timeout_s=timeout_s, system_prompt=system_prompt,
+                                   prompt_field=prompt_field)
