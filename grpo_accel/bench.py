@@ -145,10 +145,10 @@ def run(args) -> dict | None:
     collector = GRPOCollector(engine, tokenizer, rows, rewards, prompts_per_batch=args.prompts, group_size=args.group)
     loss = GRPOLoss(model, packing=args.packing)
     trainer = GRPOTrainer(collector=collector, total_frames=10**9, loss_module=loss,
-                          optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5), batch_size=args.micro_batch,
+                          optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True), batch_size=args.micro_batch,
                           weight_sync_sender=EmbeddedWeightSync(engine), empty_replay_buffer_on_weight_update=True,
                           accelerator=accelerator)
-    bare = BareLoop(accelerator, bare_model, torch.optim.AdamW(bare_model.parameters(), lr=1e-5))
+    bare = BareLoop(accelerator, bare_model, torch.optim.AdamW(bare_model.parameters(), lr=1e-5, fused=True))
     phases: dict[str, list[float]] = {k: [] for k in ("generate", "reward", "logprob_pass", "train", "bare_train")}
     tokens = {"generated": [], "trained": []}
     for step in range(args.warmup + args.steps):
@@ -268,7 +268,7 @@ def _loop_trainer(args, variant: str, model, tokenizer, rows, rewards, accelerat
     loss = GRPOLoss(policy, copy.deepcopy(model) if args.kl_coef else None, kl_coef=args.kl_coef)
     trainer = GRPOTrainer(
         collector=collector, total_frames=(args.warmup + args.steps + 1) * args.prompts * args.group, loss_module=loss,
-        optimizer=torch.optim.AdamW(policy.parameters(), lr=args.lr), batch_size=args.micro_batch,
+        optimizer=torch.optim.AdamW(policy.parameters(), lr=args.lr, fused=True), batch_size=args.micro_batch,
         weight_sync_sender=EmbeddedWeightSync(engine, source=policy if asynchronous else None),
         empty_replay_buffer_on_weight_update=True, async_collection=asynchronous, log_timings=True, seed=0,
         accelerator=accelerator, log_samples=0)

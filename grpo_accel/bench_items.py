@@ -152,6 +152,7 @@ def measure_items(model, engine, prompts: list[list[int]], group: int, rollout: 
                       "the same two computations timed"))
     del logits
 
+    items.append(_fused_adamw_item(model))
     items += _generation_items(engine, prompts, group)
     items.append(_threads_item(padded_loss, ragged, threads))
     return items
@@ -185,6 +186,10 @@ def _generation_items(engine, prompts: list[list[int]], group: int) -> list[Item
         items.append(Item("decode loop (rollout.decoder=fast)", transformers_generate, median_time(generate, reps=3), "s",
                           "transformers generate with the keyed sampler / our loop: one prefill per prompt, cache "
                           "allocated once, mask sliced, sampler fused (same tokens)"))
+        with _settings(engine.decoder, no_grad=torch.no_grad):
+            grad_mode = median_time(generate, reps=3)
+        items.append(Item("decode loop in inference mode", grad_mode, median_time(generate, reps=3), "s",
+                          "our loop under torch.no_grad / under torch.inference_mode (no autograd bookkeeping per op)"))
         items.append(_later_turn_item(engine, prompts, group))
     # Random weights almost never sample EOS, so completions are made to end early: a forward hook raises the EOS
     # logit by 4 (about 1 in 3 draws); the batch then ends with its longest completion instead of at the budget.
@@ -220,6 +225,16 @@ def _later_turn_item(engine, prompts: list[list[int]], group: int) -> Item:
     return Item("episodes' later turns: prompt prefilled once", whole, shared, "s",
                 f"{len(rows)} rows of a {len(long[0])}-token prompt + 16 own tokens: each whole context / the prompt "
                 "once per prompt, then each row's own tokens (same draws)")
+
+
+def _fused_adamw_item(model) -> Item:
+    """AdamW's step over the model's parameters (random gradients): a loop over tensors against one fused kernel."""
+    params = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    loop, fused = torch.optim.AdamW(params, lr=1e-5), torch.optim.AdamW(params, lr=1e-5, fused=True)
+    return Item("fused AdamW step", median_time(loop.step, reps=5), median_time(fused.step, reps=5), "s",
+                f"AdamW step over {len(params)} tensors: per-tensor loop (torch's CPU default) / fused=True")
 
 
 def _threads_item(loss_module, td: TensorDict, threads: int) -> Item:

@@ -74,6 +74,8 @@ def test_fast_decoder_draws_what_generate_draws(tokenizer, build, sampling, dtyp
     keys = torch.tensor([s * 4 + j for s in [5, 6, 7, 8] for j in range(4)])
     tokens, logprobs = fast.decoder(ids, mask, 4, keys, fast.settings)
     assert logprobs.dtype == torch.promote_types(dtype, torch.float32) and torch.equal(tokens[:, : a[K.COMPLETION_IDS].shape[1]], a[K.COMPLETION_IDS])
+    assert fast.decoder.no_grad is torch.inference_mode  # decoded without autograd's bookkeeping, yet the results
+    assert not (tokens.is_inference() or logprobs.is_inference())  # are ordinary tensors the loss can use
     with torch.no_grad():
         teacher = sequence_logprobs(model, a[K.PROMPT_IDS], a[K.PROMPT_MASK], a[K.COMPLETION_IDS], a[K.COMPLETION_MASK],
                                     sampling["temperature"])

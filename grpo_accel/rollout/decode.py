@@ -148,6 +148,9 @@ class Decoder:
 
         self.forward = torch.compile(forward, dynamic=True) if compiled else forward
         self.synced = zero3_group()
+        # inference mode skips autograd's per-op bookkeeping (~12% of a tiny model's step); not under ZeRO-3,
+        # whose forward hooks allocate the gathered parameters, which must stay ordinary tensors for training
+        self.no_grad = torch.no_grad if zero3_enabled() else torch.inference_mode
 
     def _everywhere(self, finished: bool) -> bool:
         """Whether every process finished. Under ZeRO-3 each forward gathers parameters from all processes, so
@@ -161,7 +164,6 @@ class Decoder:
         dist.all_reduce(unfinished)
         return float(unfinished) == 0.0
 
-    @torch.no_grad()
     def __call__(
         self,
         prompt_ids: Tensor,  # [P, L] left-padded, one row per prompt
@@ -179,6 +181,14 @@ class Decoder:
         With ``rows`` and ``suffix_ids`` (a later turn of multi-turn episodes), row i continues prompt ``rows[i]``
         after its own suffix: each prompt is prefilled once for all its rows, then only the suffixes are.
         """
+        with self.no_grad():
+            drawn = self._draw(prompt_ids, prompt_mask, group_size, keys, settings, rows, suffix_ids, suffix_mask)
+        rows = prompt_ids.shape[0] * group_size if rows is None else rows.numel()
+        return _assemble(drawn, rows, settings)  # outside inference mode: ordinary tensors for the trainer
+
+    def _draw(self, prompt_ids: Tensor, prompt_mask: Tensor, group_size: int, keys: Tensor | None,
+              settings: DecodeSettings, rows: Tensor | None, suffix_ids: Tensor | None,
+              suffix_mask: Tensor | None) -> list[tuple[Tensor, Tensor, Tensor]]:  # (live rows, token, logprob) per step
         device = prompt_ids.device
         prompts, width = prompt_ids.shape
         if rows is None:
@@ -225,7 +235,7 @@ class Decoder:
             logits = self.forward(token[:, None], mask, next_position, cache)
             cache.advance(1)
             next_position = next_position + 1
-        return _assemble(drawn, n, settings)
+        return drawn
 
     def _mask(self, mask: Tensor) -> Tensor:  # [B, 1, Q, S] bool -> the attention's format
         """A 4-D mask reaches the attention as it is (transformers' mask creation returns it unchanged)."""
@@ -288,17 +298,20 @@ class _Draws:
         return self.noise[:, step - self.first]
 
 
-def zero3_group() -> bool:
-    """ZeRO-3 with several processes: the model's parameters are partitioned across the group."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return False
+def zero3_enabled() -> bool:
+    """DeepSpeed ZeRO-3 is on: the model's parameters are gathered by hooks around each module's forward."""
     try:
         from transformers.integrations import is_deepspeed_zero3_enabled
     except ImportError:
         return False
     return is_deepspeed_zero3_enabled()
+
+
+def zero3_group() -> bool:
+    """ZeRO-3 with several processes: the model's parameters are partitioned across the group."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and zero3_enabled()
 
 
 def _prefill_mask(prompt_mask: Tensor) -> Tensor:  # [P, L] -> [P, 1, L, L] bool
