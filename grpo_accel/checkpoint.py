@@ -331,6 +331,52 @@ class RunCheckpointer:
         return state
 
 
+class TrainerFiles:
+    """Where a trainer's state goes: checkpoint folders (:class:`RunCheckpointer`) and the single-file payload
+    (``save_trainer_file``). Saving and loading folders is collective."""
+
+    def __init__(self, accelerator, checkpoint: Checkpoint | None = None, rotation: CheckpointRotation | None = None,
+                 metadata=None, file: str | Path | None = None) -> None:
+        self.accelerator = accelerator
+        self.checkpointer = RunCheckpointer(accelerator, checkpoint, rotation, metadata) if checkpoint else None
+        self.file = Path(file) if file is not None else None
+
+    def save(self, step: int, rank_state: dict, info: dict, hf_assets: list, module) -> Path | None:
+        """The checkpoint folder (returned) and the payload file, each when configured."""
+        final = self.checkpointer.save(step, rank_state, info, hf_assets) if self.checkpointer else None
+        if self.file is not None:
+            weights = self.accelerator.get_state_dict(module)  # collective under ZeRO-3; full on rank 0
+            if self.accelerator.is_main_process:
+                save_trainer_payload(self.file, weights, rank_state)
+        return final
+
+    def load_folder(self, path: Path, signature: str, strict: bool = True) -> dict | None:
+        """This rank's trainer state of checkpoint folder ``path`` (accelerate state loaded)."""
+        checkpointer = self.checkpointer or RunCheckpointer(self.accelerator, Checkpoint(Path(path).parent))
+        return checkpointer.load(path, signature=signature, strict=strict)
+
+    def load_file(self, path: Path, module, strict: bool = True, **kwargs) -> dict:
+        """The trainer state of a payload file; its weights are loaded into ``module`` (``kwargs``: torch.load's)."""
+        from grpo_accel.distributed import zero_stage
+
+        payload = load_trainer_payload(path, **kwargs)
+        if zero_stage(self.accelerator) == 3:
+            raise CheckpointError(f"{path}: a single-file trainer payload cannot be loaded under ZeRO-3; resume "
+                                  "from a checkpoint folder instead (checkpoint.resume).")
+        missing, unexpected = module.load_state_dict(payload["model"], strict=False)
+        if strict and (missing or unexpected):
+            raise CheckpointError(f"{path}: model weights do not fit (missing {missing[:5]}, unexpected "
+                                  f"{unexpected[:5]}); pass strict=False to load what fits.")
+        return payload["trainer"]
+
+
+def module_signature(module) -> str:
+    """:func:`parameter_signature` of a module's parameters at their full (unpartitioned) shapes."""
+    from grpo_accel.distributed import full_shape
+
+    return parameter_signature([(name, full_shape(p)) for name, p in module.named_parameters()])
+
+
 # Checkpoints hold what training changes. Frozen parameters (a LoRA run's base model, a KL reference) come from the
 # model the resumed run builds, as DeepSpeed's exclude_frozen_parameters does: a LoRA checkpoint is the adapter.
 

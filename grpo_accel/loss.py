@@ -339,6 +339,19 @@ class GRPOLoss(nn.Module):
         }
 
 
+def add_in_chunks(add: Callable[[TensorDict], None], rollout: TensorDict, key: str, chunk: int,
+                  device: torch.device) -> None:
+    """Fill ``rollout[key]`` with ``add`` (e.g. :meth:`GRPOLoss.add_reference_logprobs`) over chunks of ``chunk`` rows,
+    each trimmed to its longest row and moved to ``device``: the shapes the training forward sees, so the values are
+    those it would compute."""
+    parts = []
+    for start in range(0, rollout.numel(), chunk):
+        part = K.trim_padding(rollout[start : start + chunk]).to(device)
+        add(part)
+        parts.append(part.to("cpu"))
+    rollout[key] = K.concat_rollouts(parts, pad_id=0)[key]
+
+
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 

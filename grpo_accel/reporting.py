@@ -1,0 +1,105 @@
+"""What the trainer reports: phase timings, one scalar dict per logged iteration, completion samples as text and
+the progress bar. The trainer calls :meth:`Reporter.log_iteration` once per iteration; the scalars go to the
+logger (any object with ``log_scalar(name, value, step)``; ``log_text`` and ``flush`` when it has them).
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
+
+from tensordict import TensorDict
+
+from grpo_accel.metrics import completion_samples, mean_over_processes, rollout_scalars
+
+
+@dataclass
+class ReportSettings:
+    """The trainer's logging arguments (torchrl's names)."""
+
+    log_interval: int = 1  # frames between logs
+    log_timings: bool = False
+    auto_log_optim_steps: bool = True
+    log_rewards: bool = True
+    log_kl: bool = True
+    log_samples: int = 3  # completions written as text per log
+    progress_bar: bool = False
+
+
+class Reporter:
+    """Timings and metrics of one trainer. ``history`` holds every logged scalar dict, in order.
+
+    Example:
+        >>> reporter = Reporter(accelerator, TensorBoardLogger("runs/tb"), ReportSettings(log_timings=True))
+        >>> with reporter.timed("generate"):
+        ...     rollout = engine.generate(prompts, 8)
+    """
+
+    def __init__(self, accelerator, logger, settings: ReportSettings, tokenizer=None) -> None:
+        self.accelerator, self.logger, self.settings, self.tokenizer = accelerator, logger, settings, tokenizer
+        self.history: list[dict[str, float]] = []
+        self.timings: dict[str, float] = defaultdict(float)  # seconds per phase since the last log
+        self.last_log_frames: float = -math.inf
+
+    @contextmanager
+    def timed(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[phase] += time.perf_counter() - start
+
+    def progress(self, total: int, frames: int):
+        """A tqdm bar over frames on the main process when ``progress_bar`` is set, else None."""
+        if not (self.settings.progress_bar and self.accelerator.is_main_process):
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, initial=min(frames, total), desc="frames", unit="completion")
+
+    def log_iteration(self, rollout: TensorDict, stats: dict[str, float], counters: dict[str, float], step: int,
+                      final: bool, log_hook: Callable[[dict[str, float]], None], hook_seconds: dict[str, float]) -> None:
+        """Log one iteration when ``log_interval`` frames passed since the last log (or at the end).
+
+        ``counters``: ``train/*`` values of the trainer (frames first); ``stats``: the optimizer steps' means;
+        ``log_hook(scalars)`` runs the users' log hooks, which may add scalars."""
+        frames = counters["frames"]
+        s = self.settings
+        if frames - self.last_log_frames < s.log_interval and not final:
+            self.timings.clear()
+            return
+        self.last_log_frames = frames
+        scalars = {f"train/{name}": float(value) for name, value in counters.items()
+                   if name != "optim_steps" or s.auto_log_optim_steps}
+        scalars.update({f"train/{k}": v for k, v in mean_over_processes(self.accelerator, stats).items()})
+        scalars.update(rollout_scalars(self.accelerator, rollout, with_rewards=s.log_rewards))
+        log_hook(scalars)
+        if not s.log_kl:
+            scalars = {k: v for k, v in scalars.items() if "kl" not in k}
+        if s.log_timings:
+            scalars.update({f"time/{phase}": seconds for phase, seconds in self.timings.items()})
+            scalars.update({f"time/hook/{name}": seconds for name, seconds in hook_seconds.items()})
+        self.timings.clear()
+        hook_seconds.clear()
+        self.history.append(scalars)
+        self.log_scalars(scalars, step)
+        self._log_samples(rollout, step)
+
+    def log_scalars(self, scalars: dict[str, float], step: int) -> None:
+        if self.logger is not None and self.accelerator.is_main_process:
+            for name, value in scalars.items():
+                self.logger.log_scalar(name, value, step=step)
+
+    def flush(self) -> None:
+        if self.logger is not None and hasattr(self.logger, "flush"):
+            self.logger.flush()
+
+    def _log_samples(self, rollout: TensorDict, step: int) -> None:
+        """A few of this batch's completions as text (main process's rows), when the logger takes text."""
+        n = self.settings.log_samples
+        if (n and self.tokenizer is not None and hasattr(self.logger, "log_text")
+                and self.accelerator.is_main_process and rollout.numel()):
+            self.logger.log_text("samples", completion_samples(rollout, tokenizer=self.tokenizer, n=n), step)

@@ -1,0 +1,75 @@
+"""GRPOTrainer's argument checks and set-up helpers: every bad argument is an error that names it, its value and
+the fix, before anything runs."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from grpo_accel.distributed import any_process, make_accelerator, zero_stage
+
+AUTOCAST_MODES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def require(ok: bool, name: str, value, fix: str) -> None:
+    if not ok:
+        raise ValueError(f"GRPOTrainer: {name}={value!r} is invalid: {fix}.")
+
+
+def check_arguments(a: dict) -> None:
+    """The trainer's arguments (``a``: name -> value) on their own."""
+    require(a["loss_module"] is not None, "loss_module", a["loss_module"], "pass a GRPOLoss (or a module returning loss_* keys)")
+    require((a["optimizer"] is None) != (a["optimization_stepper"] is None), "optimizer", a["optimizer"],
+            "pass exactly one of optimizer= and optimization_stepper=")
+    require(a["total_frames"] > 0, "total_frames", a["total_frames"], "count of completions to collect, > 0")
+    require(a["frame_skip"] >= 1, "frame_skip", a["frame_skip"], "use 1 for LLM tasks")
+    require(a["num_epochs"] >= 1, "num_epochs", a["num_epochs"], "use 1 or more passes per collected batch")
+    require(a["gradient_accumulation_steps"] >= 1, "gradient_accumulation_steps", a["gradient_accumulation_steps"],
+            "use 1 or more")
+    require(a["optim_steps_per_batch"] is None or a["optim_steps_per_batch"] >= 1, "optim_steps_per_batch",
+            a["optim_steps_per_batch"], "use None (whole buffer once per epoch) or a positive count")
+    require(a["weight_update_frequency"] >= 1, "weight_update_frequency", a["weight_update_frequency"],
+            "optimizer steps, >= 1")
+    require(a["log_interval"] >= 1, "log_interval", a["log_interval"], "frames between logs, >= 1")
+    require(a["max_staleness"] is None or a["max_staleness"] >= 0, "max_staleness", a["max_staleness"], "use None or >= 0")
+    require(a["log_samples"] >= 0, "log_samples", a["log_samples"], "completions written as text per log, >= 0")
+    every = a["save_trainer_interval"]
+    require(every is None or every >= 1, "save_trainer_interval", every,
+            "frames between saves: None (only at the end) or >= 1")
+    require(every is None or a["checkpoint"] is not None or a["save_trainer_file"] is not None,
+            "save_trainer_interval", every, "pass checkpoint= or save_trainer_file= to save")
+    require(a["checkpoint_rotation"] is None or a["checkpoint"] is not None, "checkpoint_rotation",
+            a["checkpoint_rotation"], "rotation needs checkpoint=Checkpoint(directory)")
+    require(a["accelerator"] is not None or not a["mixed_precision"] or a["autocast_dtype"] in AUTOCAST_MODES,
+            "autocast_dtype", a["autocast_dtype"], "use torch.bfloat16 or torch.float16")
+
+
+def accelerator_for(a: dict):
+    """The given accelerator, or one built from the arguments; checked against them and the collector."""
+    acc = a["accelerator"] or make_accelerator(
+        a["gradient_accumulation_steps"], AUTOCAST_MODES[a["autocast_dtype"]] if a["mixed_precision"] else "no")
+    require(acc.gradient_accumulation_steps == a["gradient_accumulation_steps"], "gradient_accumulation_steps",
+            a["gradient_accumulation_steps"], f"the given accelerator accumulates {acc.gradient_accumulation_steps}")
+    asynchronous = a["async_collection"]
+    require(not (asynchronous and zero_stage(acc) == 3), "async_collection", asynchronous,
+            "background generation cannot join ZeRO-3's collective gathers; use ZeRO-0/1/2 or a separate engine")
+    engine_model = getattr(getattr(a["collector"], "engine", None), "model", None)
+    require(not (asynchronous and engine_model is getattr(a["loss_module"], "policy", object())), "async_collection",
+            asynchronous, "the engine generates from the weights being trained; give it its own copy and a weight-sync sender")
+    shard_collector(a["collector"], acc)
+    return acc
+
+
+def shard_collector(collector, acc) -> None:
+    """A collector built for one process (GRPOCollector's default) takes this process's share of every batch
+    under several; one split for another process count is an error. Otherwise every process would train on the
+    same prompts and count the frames again."""
+    world = getattr(collector, "world_size", None)
+    if world is None or world == acc.num_processes:  # a collector of its own kind, or already split
+        require(world is None or collector.rank == acc.process_index, "collector.rank", getattr(collector, "rank", None),
+                f"this is process {acc.process_index}; pass rank=accelerator.process_index")
+        return
+    require(world == 1, "collector.world_size", world,
+            f"the accelerator runs {acc.num_processes} processes; build the collector with "
+            f"world_size={acc.num_processes} and rank=accelerator.process_index, or leave both unset")
+    collector.shard(acc.process_index, acc.num_processes, functools.partial(any_process, acc))
