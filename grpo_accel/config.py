@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from grpo_accel.layout import CONFIG_NAMES, BatchLayout
 from grpo_accel.tasks import BUILTIN_TASKS
 
 
@@ -441,56 +442,23 @@ class GRPOConfig:
                self.rollout.embedded_worker, "a decode worker runs beside training only with "
                "trainer.async_collection=true (synchronous GRPO waits for generation anyway); set both or neither.")
 
-    def check_batch_layout(self, num_processes: int) -> None:
-        """completions per step must split into processes x micro-batches x accumulation."""
-        self.micro_batch(num_processes)
-
-    def micro_batch(self, num_processes: int) -> int:
-        """Completions per micro-batch on one process (``trainer.micro_batch_completions``, "auto" resolved);
-        raises naming the value to use when the batch does not split."""
-        per_process, rem = divmod(self.rollout.prompts_per_step, num_processes)
-        _check(rem == 0 and per_process > 0, "rollout.prompts_per_step", self.rollout.prompts_per_step,
-               f"must be a positive multiple of the {num_processes} processes.")
-        completions = per_process * self.rollout.group_size
-        t = self.trainer
-        ga = t.gradient_accumulation_steps
-        share = f"each process collects {completions} completions per step (prompts_per_step / processes x group_size)"
-        if t.micro_batch_completions == "auto":
-            _check(completions % ga == 0, "trainer.gradient_accumulation_steps", ga,
-                   f"{share}, which auto micro-batches split into {ga} equal parts only if it divides them: use "
-                   f"one of {_divisors(completions)}.")
-            return completions // ga
-        chunk = t.micro_batch_completions * ga
-        fits = [d for d in _divisors(completions) if completions % (d * ga) == 0]
-        _check(t.optim_steps_per_batch is not None or completions % chunk == 0,
-               "trainer.micro_batch_completions", t.micro_batch_completions,
-               f"{share}, which must be a multiple of micro_batch_completions x gradient_accumulation_steps = "
-               f"{chunk}: use auto or one of {fits}.")
-        return t.micro_batch_completions
-
-    def describe_batch_layout(self, num_processes: int) -> str:
-        t, r = self.trainer, self.rollout
-        size = self.micro_batch(num_processes)
-        per_process = r.prompts_per_step // num_processes * r.group_size
-        micro = t.optim_steps_per_batch or per_process // size
-        per_optim_step = size * t.gradient_accumulation_steps * num_processes
-        return (
-            f"batch layout: {r.prompts_per_step} prompts x {r.group_size} = {r.completions_per_step} completions "
-            f"per step; {per_process} per process in {micro} micro-batches of {size}; "
-            f"{t.gradient_accumulation_steps} micro-batches per optimizer step = {per_optim_step} completions per "
-            f"optimizer step over {num_processes} processes -> "
-            f"{t.num_epochs * micro // t.gradient_accumulation_steps} optimizer steps per collected batch"
-        )
+    def batch_layout(self, num_processes: int) -> BatchLayout:
+        """How each collected batch splits over ``num_processes`` (``micro_batch_completions: auto`` resolved);
+        raises naming the setting to change when it does not."""
+        r, t = self.rollout, self.trainer
+        layout = BatchLayout(r.prompts_per_step, r.group_size, num_processes, t.micro_batch_completions,
+                             t.gradient_accumulation_steps, t.num_epochs, t.optim_steps_per_batch, CONFIG_NAMES)
+        try:
+            layout.check()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return layout
 
 
 def _describe(tp: Any) -> str:
     if typing.get_origin(tp) is typing.Literal:
         return " or ".join(map(repr, typing.get_args(tp)))
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 # ------------------------------------------------------------------------------------------ loading

@@ -15,7 +15,6 @@ One iteration (``_iteration``, in this order; the hook stages users register at 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -29,6 +28,7 @@ from grpo_accel.buffer import ReplayBuffer
 from grpo_accel.checkpoint import Checkpoint, TrainerFiles, module_signature
 from grpo_accel.distributed import any_process, configure_deepspeed_for, zero_stage
 from grpo_accel.hooks import Hooks
+from grpo_accel.layout import BatchLayout
 from grpo_accel.loss import add_in_chunks, distributed_normalizer
 from grpo_accel.reporting import Reporter, ReportSettings
 from grpo_accel.rollout.background import staleness
@@ -83,8 +83,10 @@ class GRPOTrainer:
         self.replay_buffer = replay_buffer or ReplayBuffer(batch_size or collector.completions_per_batch, seed=seed)
         self.replay_buffer.batch_size = batch_size or self.replay_buffer.batch_size
         self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.layout = BatchLayout(micro_batch_setting=self.replay_buffer.batch_size, accumulation=gradient_accumulation_steps,
+                                  epochs=num_epochs, sampled_micro_batches=optim_steps_per_batch)
         if hasattr(collector, "completions_per_batch"):  # the usual layout can be checked before anything runs
-            self._check_accumulation(collector.completions_per_batch)
+            self.layout.check(collector.completions_per_batch)
         self.logger, self.async_collection, self.max_staleness = logger, async_collection, max_staleness
         self.reporter = Reporter(acc, logger, ReportSettings(log_interval, log_timings, auto_log_optim_steps, log_rewards,
                                                              log_kl, log_samples, progress_bar), getattr(collector, "tokenizer", None))
@@ -235,11 +237,7 @@ class GRPOTrainer:
 
     def _needs_old_logprobs(self, rows: int) -> bool:
         """pi_old must be stored unless each row is used by exactly one optimizer step taken right after sampling."""
-        steps = self.num_epochs * self._micro_batches(rows) // self.gradient_accumulation_steps
-        return steps > 1 or not self.empty_replay_buffer_on_weight_update
-
-    def _micro_batches(self, rows: int) -> int:  # per epoch
-        return self.optim_steps_per_batch or math.ceil(rows / self.replay_buffer.batch_size)
+        return self.layout.optimizer_steps(rows) > 1 or not self.empty_replay_buffer_on_weight_update
 
     @torch.no_grad()
     def _store_rollout(self, rollout: TensorDict) -> None:
@@ -259,16 +257,7 @@ class GRPOTrainer:
             with self.reporter.timed(key), self.stepper.autocast():
                 add_in_chunks(add, rollout, key, self.replay_buffer.batch_size, self.device)
         self.replay_buffer.extend(rollout)
-        self._check_accumulation(len(self.replay_buffer))
-
-    def _check_accumulation(self, rows: int) -> None:
-        micro, ga = self._micro_batches(rows), self.gradient_accumulation_steps
-        if micro % ga:
-            raise ValueError(
-                f"GRPOTrainer: {micro} micro-batches per epoch ({rows} completions / batch_size="
-                f"{self.replay_buffer.batch_size}) is not a multiple of gradient_accumulation_steps={ga}; "
-                "make completions per batch = batch_size x accumulation x k."
-            )
+        self.layout.check(len(self.replay_buffer))
 
     def _drop_stale(self, rollout: TensorDict) -> TensorDict:
         """Async: a batch generated more than ``max_staleness`` pushes ago (on any process) is dropped (an empty

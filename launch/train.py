@@ -47,7 +47,7 @@ def build_trainer(cfg: GRPOConfig):
     t, r, lc = cfg.trainer, cfg.rollout, cfg.loss
     # Everything that can be checked without a process group is checked first.
     preflight()
-    cfg.check_batch_layout(launch_world_size())
+    cfg.batch_layout(launch_world_size())
     per_step = r.prompts_per_step * r.group_size
     if t.total_frames % per_step:
         rounded = -(-t.total_frames // per_step) * per_step
@@ -74,7 +74,8 @@ def build_trainer(cfg: GRPOConfig):
     accelerator = make_accelerator(t.gradient_accumulation_steps, t.mixed_precision)
     log.info("process group ready: rank %d of %d (%s)", accelerator.process_index, accelerator.num_processes,
              accelerator.distributed_type.name)
-    log.info(cfg.describe_batch_layout(accelerator.num_processes))
+    layout = cfg.batch_layout(accelerator.num_processes)
+    log.info(layout.describe())
     engine, sender = build_engine_and_sender(cfg, model, tokenizer, accelerator)
     rewards = build_rewards(cfg.rewards)
     environment = build_environment(r, cfg.data)
@@ -103,7 +104,7 @@ def build_trainer(cfg: GRPOConfig):
         weight_update_frequency=t.weight_update_frequency, async_collection=t.async_collection,
         max_staleness=t.max_staleness,
         empty_replay_buffer_on_weight_update=t.empty_replay_buffer_on_weight_update,
-        batch_size=cfg.micro_batch(accelerator.num_processes), gradient_accumulation_steps=t.gradient_accumulation_steps,
+        batch_size=layout.micro_batch, gradient_accumulation_steps=t.gradient_accumulation_steps,
         mixed_precision=t.mixed_precision != "no",
         autocast_dtype=torch.float16 if t.mixed_precision == "fp16" else torch.bfloat16,
         logger=logger, clip_norm=o.clip_norm, progress_bar=t.progress_bar, seed=t.seed,

@@ -13,7 +13,7 @@ ITEMS = {"old logprobs from the rollout", "no reference pass at kl_coef=0", "mic
          "padding-free packed training", "chunked logprobs: peak memory", "chunked logprobs: time",
          "generation batched over prompts x group", "decode loop (rollout.decoder=fast)",
          "episodes' later turns: prompt prefilled once", "generation stops when all finished",
-         "torch threads from the cores"}
+         "torch threads from the cores", "decode loop in inference mode", "fused AdamW step"}
 
 
 def check_result(result: dict, processes: int) -> None:

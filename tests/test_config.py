@@ -11,8 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("path", sorted((ROOT / "launch" / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_experiment_config_loads_and_lays_out(path):
     cfg = load_config(path)
-    cfg.check_batch_layout(1)
-    assert "completions per step" in cfg.describe_batch_layout(1)
+    assert "completions per step" in cfg.batch_layout(1).describe()
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "launch" / "configs").glob("*.yaml")), ids=lambda p: p.name)
@@ -80,21 +79,31 @@ def test_bad_values_name_key_value_and_fix(override, message):
 
 def test_batch_layout_must_divide():
     cfg = load_config(None, ["rollout.prompts_per_step=6"])
-    with pytest.raises(ConfigError, match="multiple of the 4 processes"):
-        cfg.check_batch_layout(4)
-    with pytest.raises(ConfigError, match=r"64 completions .* = 256: use auto or one of \[1, 2, 4, 8, 16, 32\]"):
+    with pytest.raises(ConfigError, match="rollout.prompts_per_step=6: must be a positive multiple of the 4 processes"):
+        cfg.batch_layout(4)
+    with pytest.raises(ConfigError, match=r"micro_batch_completions=128: 1 micro-batches per epoch \(64 completions / "
+                                          r"128\) is not a multiple of trainer.gradient_accumulation_steps=2; .*one of "
+                                          r"\[1, 2, 4, 8, 16, 32\], or auto"):
         load_config(None, ["trainer.gradient_accumulation_steps=2", "rollout.prompts_per_step=8",
-                           "trainer.micro_batch_completions=128"]).check_batch_layout(1)
-    load_config(None, ["trainer.micro_batch_completions=32", "trainer.gradient_accumulation_steps=2"]).check_batch_layout(2)
+                           "trainer.micro_batch_completions=128"]).batch_layout(1)
+    layout = load_config(None, ["trainer.micro_batch_completions=32", "trainer.gradient_accumulation_steps=2"]).batch_layout(2)
+    assert (layout.completions_per_process, layout.micro_batches(), layout.optimizer_steps()) == (64, 2, 1)
+    # the last micro-batch may be short: 64 completions in micro-batches of 24 are 24, 24, 16, one step of 3
+    layout = load_config(None, ["rollout.prompts_per_step=8", "trainer.micro_batch_completions=24",
+                                "trainer.gradient_accumulation_steps=3"]).batch_layout(1)
+    assert (layout.micro_batches(), layout.optimizer_steps()) == (3, 1)
+    with pytest.raises(ConfigError, match="trainer.optim_steps_per_batch=3: must be a multiple of trainer.gradient_accumulation_steps=2"):
+        load_config(None, ["trainer.optim_steps_per_batch=3", "trainer.gradient_accumulation_steps=2"]).batch_layout(1)
 
 
 @pytest.mark.parametrize("processes, accumulation, micro", [(1, 1, 128), (2, 1, 64), (4, 2, 16), (8, 1, 16)])
 def test_auto_micro_batches_fit_any_process_count_that_divides_the_prompts(processes, accumulation, micro):
     cfg = load_config(None, [f"trainer.gradient_accumulation_steps={accumulation}"])
-    assert cfg.trainer.micro_batch_completions == "auto" and cfg.micro_batch(processes) == micro
-    assert f"micro-batches of {micro}" in cfg.describe_batch_layout(processes)
+    layout = cfg.batch_layout(processes)
+    assert cfg.trainer.micro_batch_completions == "auto" and layout.micro_batch == micro
+    assert f"micro-batches of {micro}" in layout.describe()
     with pytest.raises(ConfigError, match=r"gradient_accumulation_steps=3: .* use one of \[1, 2, 4, 8, 16, 32, 64\]"):
-        load_config(None, ["trainer.gradient_accumulation_steps=3"]).micro_batch(2)
+        load_config(None, ["trainer.gradient_accumulation_steps=3"]).batch_layout(2)
     with pytest.raises(ConfigError, match="micro_batch_completions='soon': must be an integer or 'auto'"):
         load_config(None, ["trainer.micro_batch_completions=soon"])
 

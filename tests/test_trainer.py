@@ -160,7 +160,8 @@ def test_bad_trainer_arguments_name_the_parameter(tokenizer, tiny_model, kwargs,
 
 
 def test_micro_batches_must_fill_accumulation(tokenizer, tiny_model):
-    with pytest.raises(ValueError, match=r"2 micro-batches per epoch \(16 completions / batch_size=8\).*=4"):
+    with pytest.raises(ValueError, match=r"batch_size=8: 2 micro-batches per epoch \(16 completions / 8\) is not a "
+                                         r"multiple of gradient_accumulation_steps=4"):
         make_trainer(tokenizer, tiny_model, batch_size=8, gradient_accumulation_steps=4)
 
 

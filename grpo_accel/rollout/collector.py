@@ -1,6 +1,7 @@
 """The collector: prompts from a dataset -> engine rollouts -> rewards -> group-relative advantages."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -12,6 +13,7 @@ from tensordict import TensorDict
 from grpo_accel import batch as K
 from grpo_accel.advantages import group_advantages
 from grpo_accel.data import DataError, Prompts, check_columns, encode_prompts
+from grpo_accel.layout import BatchLayout
 from grpo_accel.rewards import EPISODE_FIELDS, PROVIDED_FIELDS, RewardSet
 
 if TYPE_CHECKING:
@@ -52,14 +54,6 @@ def _split_tied_groups(td: TensorDict, group_size: int) -> tuple[list[TensorDict
     groups = [td[i : i + group_size] for i in range(0, td.shape[0], group_size)]
     tied = [bool((g[K.REWARD] == g[K.REWARD][0]).all()) for g in groups]
     return [g for g, t in zip(groups, tied) if not t], [g for g, t in zip(groups, tied) if t]
-
-
-def _check_split(prompts_per_batch: int, world_size: int) -> None:
-    if prompts_per_batch < world_size or prompts_per_batch % world_size:
-        raise ValueError(
-            f"rollout.prompts_per_step={prompts_per_batch} is not a multiple of the {world_size} processes; "
-            f"use a multiple of {world_size}."
-        )
 
 
 class RolloutEngine(Protocol):
@@ -131,7 +125,8 @@ class GRPOCollector:
                 f"rollout.group_size={group_size}: GRPO compares completions within a group, so a group needs "
                 "at least 2; set rollout.group_size to 2 or more (8-16 is common)."
             )
-        _check_split(prompts_per_batch, world_size)
+        self.layout = BatchLayout(prompts_per_batch, group_size, world_size)
+        self.layout.check_split()
         clash = [f for f in RESERVED_FIELDS if rows and f in rows[0]]
         if clash:
             raise DataError(f"dataset fields {clash} clash with reward-function arguments; rename those columns.")
@@ -166,13 +161,14 @@ class GRPOCollector:
     def shard(self, rank: int, world_size: int, sync_any: Callable[[bool], bool]) -> None:
         """Collect process ``rank``'s share of each global batch from now on (the trainer calls this for a
         collector built for one process when it runs under several)."""
-        _check_split(self.prompts_per_batch, world_size)
+        self.layout = dataclasses.replace(self.layout, processes=world_size)
+        self.layout.check_split()
         self.rank, self.world_size, self.sync_any = rank, world_size, sync_any
 
     @property
     def completions_per_batch(self) -> int:
         """Completions this process collects per batch."""
-        return self.prompts_per_batch // self.world_size * self.group_size
+        return self.layout.completions_per_process
 
     def _shuffled(self, epoch: int) -> list[int]:
         order = list(range(len(self.rows)))
@@ -217,7 +213,7 @@ class GRPOCollector:
 
     def _refill(self, td: TensorDict) -> tuple[TensorDict, dict[str, float]]:
         """Dynamic sampling: replace groups whose rewards tie with informative ones from extra rounds."""
-        groups = self.prompts_per_batch // self.world_size
+        groups = self.layout.prompts_per_process
         informative, tied = _split_tied_groups(td, self.group_size)
         seen, rounds = td.shape[0] // self.group_size, 0
         while rounds < self.max_extra_rounds and self.sync_any(len(informative) < groups):
@@ -232,7 +228,7 @@ class GRPOCollector:
     def _collect_round(self) -> TensorDict:
         """Generate and score the next global batch's share of this process."""
         global_indices = self._next_indices()
-        share = self.prompts_per_batch // self.world_size
+        share = self.layout.prompts_per_process
         indices = global_indices[self.rank * share : (self.rank + 1) * share]
         first_group = self.batches * self.prompts_per_batch + self.rank * share
         group_ids = list(range(first_group, first_group + share))
