@@ -341,8 +341,10 @@ class TrainerFiles:
         self.checkpointer = RunCheckpointer(accelerator, checkpoint, rotation, metadata) if checkpoint else None
         self.file = Path(file) if file is not None else None
 
-    def save(self, step: int, rank_state: dict, info: dict, hf_assets: list, module) -> Path | None:
-        """The checkpoint folder (returned) and the payload file, each when configured."""
+    def save(self, step: int, rank_state: dict, info: dict, module, policy=None, tokenizer=None) -> Path | None:
+        """The checkpoint folder (returned; with the policy's config and the tokenizer, what export needs besides
+        weights, when they exist) and the payload file (``module``'s weights), each when configured."""
+        hf_assets = [a for a in (getattr(policy, "config", None), tokenizer) if hasattr(a, "save_pretrained")]
         final = self.checkpointer.save(step, rank_state, info, hf_assets) if self.checkpointer else None
         if self.file is not None:
             weights = self.accelerator.get_state_dict(module)  # collective under ZeRO-3; full on rank 0

@@ -13,6 +13,7 @@ from typing import Callable
 
 from tensordict import TensorDict
 
+from grpo_accel import batch as K
 from grpo_accel.metrics import completion_samples, mean_over_processes, rollout_scalars
 
 
@@ -43,6 +44,7 @@ class Reporter:
         self.history: list[dict[str, float]] = []
         self.timings: dict[str, float] = defaultdict(float)  # seconds per phase since the last log
         self.last_log_frames: float = -math.inf
+        self.bar = None  # the progress bar while training
 
     @contextmanager
     def timed(self, phase: str):
@@ -52,13 +54,25 @@ class Reporter:
         finally:
             self.timings[phase] += time.perf_counter() - start
 
-    def progress(self, total: int, frames: int):
-        """A tqdm bar over frames on the main process when ``progress_bar`` is set, else None."""
-        if not (self.settings.progress_bar and self.accelerator.is_main_process):
-            return None
-        from tqdm.auto import tqdm
+    def start_progress(self, total: int, frames: int) -> None:
+        """A tqdm bar over frames on the main process when ``progress_bar`` is set."""
+        if self.settings.progress_bar and self.accelerator.is_main_process:
+            from tqdm.auto import tqdm
 
-        return tqdm(total=total, initial=min(frames, total), desc="frames", unit="completion")
+            self.bar = tqdm(total=total, initial=min(frames, total), desc="frames", unit="completion")
+
+    def advance(self, frames: int, rollout: TensorDict, seconds: float) -> None:
+        if self.bar is not None:
+            self.bar.update(min(self.bar.total - self.bar.n, frames))
+            self.bar.set_postfix(reward=f"{float(rollout[K.REWARD].mean()):.3f}", step_s=f"{seconds:.2f}")
+
+    def close(self) -> None:
+        """The bar closed and the logger flushed (the end of ``train``)."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.logger is not None and hasattr(self.logger, "flush"):
+            self.logger.flush()
 
     def log_iteration(self, rollout: TensorDict, stats: dict[str, float], counters: dict[str, float], step: int,
                       final: bool, log_hook: Callable[[dict[str, float]], None], hook_seconds: dict[str, float]) -> None:
@@ -92,10 +106,6 @@ class Reporter:
         if self.logger is not None and self.accelerator.is_main_process:
             for name, value in scalars.items():
                 self.logger.log_scalar(name, value, step=step)
-
-    def flush(self) -> None:
-        if self.logger is not None and hasattr(self.logger, "flush"):
-            self.logger.flush()
 
     def _log_samples(self, rollout: TensorDict, step: int) -> None:
         """A few of this batch's completions as text (main process's rows), when the logger takes text."""

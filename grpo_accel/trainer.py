@@ -102,7 +102,7 @@ class GRPOTrainer:
         self._files = TrainerFiles(acc, checkpoint, checkpoint_rotation, checkpoint_metadata, save_trainer_file)
         self.frames = self.optim_steps = self.iterations = self.weight_version = self.dropped_batches = 0
         self.stop_reason: str | None = None  # why training stopped early (a signal, request_stop, another process)
-        self._saved_at, self._batch_frames, self._staleness = -1, 0, 0.0
+        self._saved_at, self._staleness = -1, 0.0
         self.hooks = Hooks()  # the users' stages; the loop's own steps are called in _iteration
 
     # ------------------------------------------------------------------------------------------ public API
@@ -131,7 +131,7 @@ class GRPOTrainer:
             if hasattr(self.weight_sync_sender, "push"):  # the engine's weights are unknown to a new process
                 self.weight_sync_sender.push(self.weight_version)
         self.hooks.run("pre_train", self)
-        bar = self.reporter.progress(self.total_frames, self.frames)
+        self.reporter.start_progress(self.total_frames, self.frames)
         source = self.collector
         if self.async_collection:
             from grpo_accel.rollout.background import BackgroundCollector
@@ -140,7 +140,7 @@ class GRPOTrainer:
         try:
             with stop_on_signals(self.request_stop):
                 for rollout in source:
-                    self._iteration(rollout, bar)
+                    self._iteration(rollout)
                     if self._should_stop():
                         break
                 if self.stop_reason is not None:
@@ -150,9 +150,7 @@ class GRPOTrainer:
         finally:
             if source is not self.collector:
                 source.close()
-            if bar is not None:
-                bar.close()
-            self.reporter.flush()
+            self.reporter.close()
 
     def compute_loss(self, sub_batch: TensorDictBase, method: str | None = None, **kwargs) -> TensorDictBase | Any:
         """The loss of ``sub_batch`` through the prepared (wrapped) module, or its ``method`` if named."""
@@ -203,18 +201,18 @@ class GRPOTrainer:
                 "num_processes": self.accelerator.num_processes, "zero_stage": zero_stage(self.accelerator),
                 "signature": module_signature(self.unwrapped_loss), "metrics": self.history[-1] if self.history else {}}
         with self.reporter.timed("checkpoint"):
-            final = self._files.save(self.iterations, self.state_dict(), info, self._hf_assets(), self.loss_module)
+            final = self._files.save(self.iterations, self.state_dict(), info, self.loss_module,
+                                     getattr(self.unwrapped_loss, "policy", None), getattr(self.collector, "tokenizer", None))
         self._saved_at = self.iterations
         return final
 
     # ----------------------------------------------------------------------------------------- the loop
 
-    def _iteration(self, rollout: TensorDict, bar) -> None:
+    def _iteration(self, rollout: TensorDict) -> None:
         """One collected batch, every step of the loop in order; the hook stages are for users."""
         start = time.perf_counter()
         frames = rollout.numel() * self.accelerator.num_processes * self.frame_skip
         self.frames += frames
-        self._batch_frames = frames
         self.iterations += 1
         kept = self.hooks.chain("post_collect", self, rollout)  # users may filter the rollout before it is stored
         if self.async_collection:
@@ -229,15 +227,11 @@ class GRPOTrainer:
             self.hooks.run("post_optim", self)
         self.reporter.timings["iteration"] += time.perf_counter() - start
         self._log(rollout, stats)
-        if bar is not None:
-            bar.update(min(bar.total - bar.n, frames))
-            bar.set_postfix(reward=f"{float(rollout[K.REWARD].mean()):.3f}", step_s=f"{time.perf_counter() - start:.2f}")
-        self._checkpoint_when_due()
+        self.reporter.advance(frames, rollout, time.perf_counter() - start)
+        every = self.save_trainer_interval  # save when this batch's frames crossed a multiple of it
+        if every is not None and self.frames // every > (self.frames - frames) // every:
+            self.save_checkpoint("interval")
         self.hooks.run("post_iteration", self)
-
-    def _needs_old_logprobs(self, rows: int) -> bool:
-        """pi_old must be stored unless each row is used by exactly one optimizer step taken right after sampling."""
-        return self.layout.optimizer_steps(rows) > 1 or not self.empty_replay_buffer_on_weight_update
 
     @torch.no_grad()
     def _store_rollout(self, rollout: TensorDict) -> None:
@@ -249,7 +243,9 @@ class GRPOTrainer:
         methods = []
         if self.async_collection:  # the behaviour policy is the engine's (older) weights: correct towards it
             rollout[K.OLD_LOGPROBS] = rollout[K.ENGINE_LOGPROBS]
-        elif self._needs_old_logprobs(len(self.replay_buffer) + rollout.numel()) and hasattr(loss, "add_old_logprobs"):
+        elif hasattr(loss, "add_old_logprobs") and (  # unless each row serves one optimizer step right after sampling
+                self.layout.optimizer_steps(len(self.replay_buffer) + rollout.numel()) > 1
+                or not self.empty_replay_buffer_on_weight_update):
             methods.append((K.OLD_LOGPROBS, loss.add_old_logprobs))
         if getattr(loss, "reference", None) is not None:
             methods.append((K.REF_LOGPROBS, loss.add_reference_logprobs))
@@ -326,12 +322,6 @@ class GRPOTrainer:
         if self.empty_replay_buffer_on_weight_update:
             self.replay_buffer.empty()
 
-    def _checkpoint_when_due(self) -> None:
-        """Save when this iteration's frames crossed a multiple of ``save_trainer_interval``."""
-        every = self.save_trainer_interval
-        if every is not None and self.frames // every > (self.frames - self._batch_frames) // every:
-            self.save_checkpoint("interval")
-
     # ------------------------------------------------------------------------------- saving and stopping
 
     def _resume(self, path: Path, strict: bool = True) -> None:
@@ -342,12 +332,6 @@ class GRPOTrainer:
         if self.logger is not None and hasattr(self.logger, "resume_at"):
             self.logger.resume_at(self.iterations)
         logger.info("resumed from %s at iteration %d (%d frames)", path, self.iterations, self.frames)
-
-    def _hf_assets(self) -> list:
-        """What export needs besides weights: the policy's config and the tokenizer, when they exist."""
-        policy = getattr(self.unwrapped_loss, "policy", None)
-        return [a for a in (getattr(policy, "config", None), getattr(self.collector, "tokenizer", None))
-                if hasattr(a, "save_pretrained")]
 
     def _should_stop(self) -> bool:
         """Every process takes the same decision: one all-reduce of the stop flags per iteration."""
