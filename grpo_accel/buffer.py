@@ -7,6 +7,7 @@ import torch
 from tensordict import TensorDict
 
 from grpo_accel.batch import concat_rollouts, trim_padding
+from grpo_accel.rules import check
 
 
 class ReplayBuffer:
@@ -23,8 +24,7 @@ class ReplayBuffer:
     """
 
     def __init__(self, batch_size: int, pad_id: int = 0, seed: int | None = None) -> None:
-        if batch_size < 1:
-            raise ValueError(f"ReplayBuffer: batch_size={batch_size} must be >= 1 (completions per micro-batch).")
+        check("positive_count", "batch_size", batch_size, owner="ReplayBuffer: ")  # completions per micro-batch
         self.batch_size = batch_size
         self.pad_id = pad_id
         self._storage: TensorDict | None = None

@@ -88,10 +88,11 @@ class CheckpointRotation:
     mode: str = "max"
 
     def __post_init__(self) -> None:
-        if self.keep_last < 1:
-            raise ValueError(f"CheckpointRotation: keep_last={self.keep_last} must be >= 1 (the newest is always kept).")
-        if self.keep_best < 0 or self.mode not in ("max", "min"):
-            raise ValueError(f"CheckpointRotation: keep_best={self.keep_best} must be >= 0 and mode={self.mode!r} 'max' or 'min'.")
+        from grpo_accel.rules import check
+
+        check("keep_last", "keep_last", self.keep_last, owner="CheckpointRotation: ")
+        check("non_negative_count", "keep_best", self.keep_best, owner="CheckpointRotation: ")
+        check("best_mode", "mode", self.mode, owner="CheckpointRotation: ")
 
     def to_delete(self, checkpoints: list[tuple[int, float | None]], current: int | None = None) -> list[int]:
         """Steps to delete from ``[(step, metric value or None), ...]``; ``current``, the step just saved, is

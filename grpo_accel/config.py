@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from grpo_accel.layout import CONFIG_NAMES, BatchLayout
+from grpo_accel.rules import check
 from grpo_accel.tasks import BUILTIN_TASKS
 
 
@@ -30,6 +31,12 @@ class ConfigError(ValueError):
 def _check(ok: bool, key: str, value: Any, fix: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r}: {fix}")
+
+
+def _rules(section: str, values: Any, **rules: str) -> None:
+    """Each field named in ``rules`` kept to its rule in :mod:`grpo_accel.rules` (the one the API checks too)."""
+    for name, rule in rules.items():
+        check(rule, f"{section}.{name}", getattr(values, name), ConfigError)
 
 
 DECODERS = ("auto", "fast", "compiled", "generate")  # the embedded engine's decode paths (rollout.decoder)
@@ -183,22 +190,13 @@ class RolloutConfig:
         _choice("rollout.backend", self.backend, ("embedded", "sglang"))
         _check(self.backend != "sglang" or bool(self.urls), "rollout.urls", self.urls,
                "rollout.backend=sglang needs the server URLs, e.g. rollout.urls=[http://host:30000].")
-        _check(self.group_size >= 2, "rollout.group_size", self.group_size,
-               "GRPO compares completions within a group, so it needs at least 2 (8-16 is common).")
-        _check(self.prompts_per_step >= 1, "rollout.prompts_per_step", self.prompts_per_step, "must be >= 1.")
-        _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens, "must be >= 1.")
-        _check(self.max_prompt_tokens >= 1, "rollout.max_prompt_tokens", self.max_prompt_tokens, "must be >= 1.")
-        _check(self.temperature > 0, "rollout.temperature", self.temperature, "must be > 0 (GRPO samples).")
-        _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]; 1.0 turns it off.")
-        _check(self.top_k >= 0, "rollout.top_k", self.top_k, "must be >= 0; 0 turns it off.")
-        _check(self.max_extra_rounds >= 0, "rollout.max_extra_rounds", self.max_extra_rounds, "must be >= 0.")
+        _rules("rollout", self, group_size="group_size", prompts_per_step="positive_count",
+               max_new_tokens="positive_count", max_prompt_tokens="positive_count", temperature="temperature",
+               top_p="top_p", top_k="top_k", max_extra_rounds="non_negative_count", max_turns="max_turns",
+               max_episode_tokens="optional_count", tool_timeout_s="seconds")
         _choice("rollout.decoder", self.decoder, DECODERS)
         _check(not self.embedded_worker or self.backend == "embedded", "rollout.embedded_worker", self.embedded_worker,
                "a decode worker belongs to the embedded engine; set rollout.backend=embedded or drop it.")
-        _check(self.max_turns >= 1, "rollout.max_turns", self.max_turns, "an episode needs at least one model turn.")
-        _check(self.max_episode_tokens is None or self.max_episode_tokens >= 1, "rollout.max_episode_tokens",
-               self.max_episode_tokens, "must be >= 1, or null for no limit.")
-        _check(self.tool_timeout_s > 0, "rollout.tool_timeout_s", self.tool_timeout_s, "must be > 0 seconds.")
 
     @property
     def completions_per_step(self) -> int:
@@ -237,10 +235,8 @@ class LossConfig:
     """Padding-free training: rows packed with per-row position ids (checked against padded logprobs once)."""
 
     def __post_init__(self) -> None:
-        _check(self.clip_eps_low > 0, "loss.clip_eps_low", self.clip_eps_low, "must be > 0 (e.g. 0.2).")
-        _check(self.clip_eps_high > 0, "loss.clip_eps_high", self.clip_eps_high, "must be > 0 (e.g. 0.28).")
-        _check(self.kl_coef >= 0, "loss.kl_coef", self.kl_coef, "must be >= 0 (0 turns the KL term off).")
-        _check(self.tis_cap is None or self.tis_cap >= 1, "loss.tis_cap", self.tis_cap, "use null (off) or >= 1.")
+        _rules("loss", self, clip_eps_low="clip_epsilon", clip_eps_high="clip_epsilon", kl_coef="kl_coef",
+               tis_cap="tis_cap")
         from grpo_accel.loss import AGGREGATIONS, IMPORTANCE_LEVELS, KL_ESTIMATORS  # the registries are the choices
 
         _choice("loss.kl_estimator", self.kl_estimator, tuple(KL_ESTIMATORS))
@@ -307,15 +303,13 @@ class GRPOTrainerConfig:
     """Completions written to TensorBoard as text at each log (prompt, completion, rewards); 0: none."""
 
     def __post_init__(self) -> None:
-        for key in ("total_frames", "num_epochs", "gradient_accumulation_steps", "log_interval",
-                    "weight_update_frequency"):
-            _check(getattr(self, key) >= 1, f"trainer.{key}", getattr(self, key), "must be >= 1.")
-        _check(self.log_samples >= 0, "trainer.log_samples", self.log_samples, "must be >= 0 (0: none).")
+        _rules("trainer", self, total_frames="positive_count", num_epochs="positive_count",
+               gradient_accumulation_steps="positive_count", log_interval="positive_count",
+               weight_update_frequency="positive_count", optim_steps_per_batch="optional_count",
+               log_samples="log_samples", max_staleness="max_staleness")
         _check(self.micro_batch_completions == "auto" or self.micro_batch_completions >= 1,
                "trainer.micro_batch_completions", self.micro_batch_completions, "must be >= 1 or auto.")
         _choice("trainer.mixed_precision", self.mixed_precision, ("no", "bf16", "fp16"))
-        _check(self.max_staleness is None or self.max_staleness >= 0, "trainer.max_staleness", self.max_staleness,
-               "must be null (keep every batch) or >= 0.")
 
 
 @dataclass
@@ -365,8 +359,7 @@ class EvalConfig:
     """A sample passes when a reward function's value reaches this."""
 
     def __post_init__(self) -> None:
-        _check(self.every_iterations >= 0, "eval.every_iterations", self.every_iterations, "must be >= 0 (0: off).")
-        _check(self.k >= 1, "eval.k", self.k, "must be >= 1.")
+        _rules("eval", self, every_iterations="non_negative_count", k="positive_count")
 
 
 @dataclass
@@ -385,11 +378,8 @@ class CheckpointConfig:
     """Also write a single-file torch payload here (the spec's save_trainer_file; read by load_from_file)."""
 
     def __post_init__(self) -> None:
-        _check(self.interval_frames is None or self.interval_frames >= 1, "checkpoint.interval_frames",
-               self.interval_frames, "must be null or >= 1.")
-        _check(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "must be >= 1 (the newest is always kept).")
-        _check(self.keep_best >= 0, "checkpoint.keep_best", self.keep_best, "must be >= 0.")
-        _choice("checkpoint.best_mode", self.best_mode, ("max", "min"))
+        _rules("checkpoint", self, interval_frames="optional_count", keep_last="keep_last",
+               keep_best="non_negative_count", best_mode="best_mode")
 
 
 # Settings a resumed run must share with its checkpoint (anything else, e.g. total_frames, may change).

@@ -7,6 +7,7 @@ from grpo_accel import batch as K
 from grpo_accel.data import encode_prompts
 from grpo_accel.metrics import episode_columns, episode_scalars
 from grpo_accel.rewards import RewardSet
+from grpo_accel.rules import check
 from grpo_accel.rollout.collector import score_rollout
 
 
@@ -30,8 +31,8 @@ class Evaluator:
                  seed: int = 1_000_003, episodes=None) -> None:
         if not rows:
             raise ValueError("Evaluator: no held-out rows; set data.holdout (built-in task) or data.eval_path.")
-        if every < 1 or k < 1:
-            raise ValueError(f"Evaluator: every={every} and k={k} must be >= 1.")
+        check("positive_count", "every", every, owner="Evaluator: ")
+        check("positive_count", "k", k, owner="Evaluator: ")
         self.engine, self.tokenizer, self.rows, self.rewards = engine, tokenizer, rows, rewards
         self.every, self.k, self.prompt_field = every, k, prompt_field
         self.episodes = episodes  # an EpisodeRunner: held-out rows are multi-turn episodes

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from grpo_accel import batch as K
 from grpo_accel.logprobs import sequence_logprobs
+from grpo_accel.rules import check
 
 logger = logging.getLogger(__name__)
 
@@ -211,8 +212,8 @@ class GRPOLoss(nn.Module):
     ) -> None:
         super().__init__()
         eps_low, eps_high = clip_epsilon if isinstance(clip_epsilon, (tuple, list)) else (clip_epsilon,) * 2
-        _check(eps_low > 0 and eps_high > 0, "clip_epsilon", clip_epsilon, "use positive values such as 0.2")
-        _check(kl_coef >= 0, "kl_coef", kl_coef, "use 0 (no KL term) or a positive weight")
+        check("clip_epsilon", "clip_epsilon", min(eps_low, eps_high), owner="GRPOLoss: ")
+        check("kl_coef", "kl_coef", kl_coef, owner="GRPOLoss: ")
         _check(kl_coef == 0 or reference is not None, "kl_coef", kl_coef, "pass a reference model, or set kl_coef=0")
         _check(kl_estimator in KL_ESTIMATORS, "kl_estimator", kl_estimator, f"choose one of {sorted(KL_ESTIMATORS)}")
         _check(aggregation in AGGREGATIONS, "aggregation", aggregation, f"choose one of {sorted(AGGREGATIONS)}")
@@ -223,8 +224,8 @@ class GRPOLoss(nn.Module):
         )
         _check(importance_level in IMPORTANCE_LEVELS, "importance_level", importance_level,
                f"choose one of {sorted(IMPORTANCE_LEVELS)}")
-        _check(tis_cap is None or tis_cap >= 1.0, "tis_cap", tis_cap, "use None (off) or a cap >= 1, e.g. 2.0")
-        _check(temperature > 0, "temperature", temperature, "use the sampling temperature (> 0)")
+        check("tis_cap", "tis_cap", tis_cap, owner="GRPOLoss: ")
+        check("temperature", "temperature", temperature, owner="GRPOLoss: ")
         self.policy = policy
         # Kept out of the parameter tree's gradients; under ZeRO it is sharded with the policy. A reference that is
         # no module (lora.BasePolicy: the policy with its adapter off) owns no parameters of its own.
@@ -358,4 +359,4 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 def _check(ok: bool, name: str, value, fix: str) -> None:
     if not ok:
-        raise ValueError(f"GRPOLoss: {name}={value!r} is invalid: {fix}.")
+        raise ValueError(f"GRPOLoss: {name}={value!r}: {fix}.")

@@ -7,13 +7,14 @@ import functools
 import torch
 
 from grpo_accel.distributed import any_process, make_accelerator, zero_stage
+from grpo_accel.rules import check
 
 AUTOCAST_MODES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def require(ok: bool, name: str, value, fix: str) -> None:
     if not ok:
-        raise ValueError(f"GRPOTrainer: {name}={value!r} is invalid: {fix}.")
+        raise ValueError(f"GRPOTrainer: {name}={value!r}: {fix}.")
 
 
 def check_arguments(a: dict) -> None:
@@ -21,21 +22,14 @@ def check_arguments(a: dict) -> None:
     require(a["loss_module"] is not None, "loss_module", a["loss_module"], "pass a GRPOLoss (or a module returning loss_* keys)")
     require((a["optimizer"] is None) != (a["optimization_stepper"] is None), "optimizer", a["optimizer"],
             "pass exactly one of optimizer= and optimization_stepper=")
-    require(a["total_frames"] > 0, "total_frames", a["total_frames"], "count of completions to collect, > 0")
-    require(a["frame_skip"] >= 1, "frame_skip", a["frame_skip"], "use 1 for LLM tasks")
-    require(a["num_epochs"] >= 1, "num_epochs", a["num_epochs"], "use 1 or more passes per collected batch")
-    require(a["gradient_accumulation_steps"] >= 1, "gradient_accumulation_steps", a["gradient_accumulation_steps"],
-            "use 1 or more")
-    require(a["optim_steps_per_batch"] is None or a["optim_steps_per_batch"] >= 1, "optim_steps_per_batch",
-            a["optim_steps_per_batch"], "use None (whole buffer once per epoch) or a positive count")
-    require(a["weight_update_frequency"] >= 1, "weight_update_frequency", a["weight_update_frequency"],
-            "optimizer steps, >= 1")
-    require(a["log_interval"] >= 1, "log_interval", a["log_interval"], "frames between logs, >= 1")
-    require(a["max_staleness"] is None or a["max_staleness"] >= 0, "max_staleness", a["max_staleness"], "use None or >= 0")
-    require(a["log_samples"] >= 0, "log_samples", a["log_samples"], "completions written as text per log, >= 0")
+    for name in ("total_frames", "frame_skip", "num_epochs", "gradient_accumulation_steps", "weight_update_frequency",
+                 "log_interval"):
+        check("positive_count", name, a[name], owner="GRPOTrainer: ")
+    check("optional_count", "optim_steps_per_batch", a["optim_steps_per_batch"], owner="GRPOTrainer: ")
+    check("max_staleness", "max_staleness", a["max_staleness"], owner="GRPOTrainer: ")
+    check("log_samples", "log_samples", a["log_samples"], owner="GRPOTrainer: ")
     every = a["save_trainer_interval"]
-    require(every is None or every >= 1, "save_trainer_interval", every,
-            "frames between saves: None (only at the end) or >= 1")
+    check("optional_count", "save_trainer_interval", every, owner="GRPOTrainer: ")  # frames between saves
     require(every is None or a["checkpoint"] is not None or a["save_trainer_file"] is not None,
             "save_trainer_interval", every, "pass checkpoint= or save_trainer_file= to save")
     require(a["checkpoint_rotation"] is None or a["checkpoint"] is not None, "checkpoint_rotation",

@@ -74,7 +74,7 @@ def test_processes_take_disjoint_slices_of_the_same_global_batch(tokenizer, tiny
 
 
 def test_group_size_below_two_is_rejected(tokenizer, tiny_model):
-    with pytest.raises(ValueError, match=r"rollout.group_size=1.*at least 2"):
+    with pytest.raises(ValueError, match=r"group_size=1: GRPO compares.*at least 2"):
         _collector(tokenizer, tiny_model, group_size=1)
 
 

@@ -400,7 +400,8 @@ def test_reward_functions_that_need_episode_fields_need_an_environment(tok):
     with pytest.raises(ValueError, match=r"reward 'env_reward' needs \['env_rewards'\], which only multi-turn episodes "
                                          "provide; set rollout.environment, or drop that reward."):
         GRPOCollector(engine, tok, ROWS, RewardSet({"env_reward": env_reward}), prompts_per_batch=2, group_size=2)
-    for setting, message in [({"max_turns": 0}, "rollout.max_turns=0"), ({"max_episode_tokens": 0}, "max_episode_tokens=0")]:
+    for setting, message in [({"max_turns": 0}, "max_turns=0: an episode needs at least one model turn"),
+                             ({"max_episode_tokens": 0}, "max_episode_tokens=0: use null")]:
         with pytest.raises(ValueError, match=message):
             GRPOCollector(engine, tok, ROWS, RewardSet({"env_reward": env_reward}), prompts_per_batch=2, group_size=2,
                           environment=Countdown, **setting)

@@ -177,7 +177,7 @@ def test_a_collector_split_for_another_process_count_is_refused(tokenizer, tiny_
     rewards = RewardSet({"answer_match": answer_match})
     collector = GRPOCollector(engine, tokenizer, addition_rows(4)[0], rewards, prompts_per_batch=4, group_size=2,
                               rank=1, world_size=2)
-    with pytest.raises(ValueError, match=r"collector.world_size=2 is invalid: the accelerator runs 1 processes; "
+    with pytest.raises(ValueError, match=r"collector.world_size=2: the accelerator runs 1 processes; "
                                          r"build the collector with world_size=1"):
         GRPOTrainer(collector=collector, total_frames=8, loss_module=GRPOLoss(tiny_model),
                     optimizer=torch.optim.AdamW(tiny_model.parameters()), weight_sync_sender=EmbeddedWeightSync(engine))

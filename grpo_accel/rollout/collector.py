@@ -15,6 +15,7 @@ from grpo_accel.advantages import group_advantages
 from grpo_accel.data import DataError, Prompts, check_columns, encode_prompts
 from grpo_accel.layout import BatchLayout
 from grpo_accel.rewards import EPISODE_FIELDS, PROVIDED_FIELDS, RewardSet
+from grpo_accel.rules import check
 
 if TYPE_CHECKING:
     from grpo_accel.rollout.episodes import Environment, EpisodeRunner
@@ -120,11 +121,7 @@ class GRPOCollector:
         max_turns: int = 4,
         max_episode_tokens: int | None = None,
     ) -> None:
-        if group_size < 2:
-            raise ValueError(
-                f"rollout.group_size={group_size}: GRPO compares completions within a group, so a group needs "
-                "at least 2; set rollout.group_size to 2 or more (8-16 is common)."
-            )
+        check("group_size", "group_size", group_size, owner="GRPOCollector: ")
         self.layout = BatchLayout(prompts_per_batch, group_size, world_size)
         self.layout.check_split()
         clash = [f for f in RESERVED_FIELDS if rows and f in rows[0]]

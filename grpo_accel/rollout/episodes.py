@@ -21,6 +21,7 @@ from tensordict import TensorDict
 
 from grpo_accel import batch as K
 from grpo_accel.data import Prompts, chat_messages, encode_prompts, render_chat
+from grpo_accel.rules import check
 from grpo_accel.tools import CallParser, TaggedCallParser, ToolRunner, tool_schema
 
 SENTINEL = "\u2063GRPO_ACCEL_TURN\u2063"  # stands for a model turn's text while finding the template's framing
@@ -168,10 +169,8 @@ class EpisodeRunner:
 
     def __init__(self, engine, tokenizer, environment: Callable[[], Environment], *, max_turns: int,
                  max_episode_tokens: int | None = None, sync_any: Callable[[bool], bool] = bool) -> None:
-        if max_turns < 1:
-            raise ValueError(f"rollout.max_turns={max_turns}: an episode needs at least one model turn; use >= 1.")
-        if max_episode_tokens is not None and max_episode_tokens < 1:
-            raise ValueError(f"rollout.max_episode_tokens={max_episode_tokens}: must be >= 1, or None for no limit.")
+        check("max_turns", "max_turns", max_turns, owner="EpisodeRunner: ")
+        check("optional_count", "max_episode_tokens", max_episode_tokens, owner="EpisodeRunner: ")
         self.engine, self.tokenizer, self.environment = engine, tokenizer, environment
         self.max_turns, self.max_episode_tokens, self.sync_any = max_turns, max_episode_tokens, sync_any
         first = environment()

@@ -1,0 +1,56 @@
+"""Each rule about a setting's value, once. The YAML config (``grpo_accel.config``, naming its keys) and the
+Python API (``GRPOLoss``, ``GRPOTrainer``, the collector, ..., naming their arguments) check through
+:func:`check`, so a value is refused with the same reason and fix whichever way it was given.
+
+Example:
+    >>> check("kl_coef", "loss.kl_coef", -1.0)
+    Traceback (most recent call last):
+    ValueError: loss.kl_coef=-1.0: must be >= 0 (0 turns the KL term off).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+
+class Rule(NamedTuple):
+    ok: Callable[[Any], bool]
+    fix: str  # the reason and the fix, after "name=value: "
+
+
+def _at_least(n: int, what: str = "") -> Rule:
+    return Rule(lambda v: v >= n, f"must be >= {n}{what}")
+
+
+def _none_or_at_least(n: int, what: str) -> Rule:
+    return Rule(lambda v: v is None or v >= n, f"use null (None: {what}) or >= {n}")
+
+
+RULES: dict[str, Rule] = {
+    # counts
+    "positive_count": _at_least(1),
+    "non_negative_count": _at_least(0),
+    "optional_count": _none_or_at_least(1, "no limit"),
+    # rollouts
+    "group_size": Rule(lambda v: v >= 2, "GRPO compares completions within a group, so a group needs at least 2; "
+                                         "use 2 or more (8-16 is common)"),
+    "temperature": Rule(lambda v: v > 0, "must be > 0 (GRPO samples; the loss divides the logits by it)"),
+    "top_p": Rule(lambda v: 0 < v <= 1, "must be in (0, 1]; 1.0 turns it off"),
+    "top_k": _at_least(0, "; 0 turns it off"),
+    "max_turns": Rule(lambda v: v >= 1, "an episode needs at least one model turn; use >= 1"),
+    "seconds": Rule(lambda v: v > 0, "must be > 0 seconds"),
+    # loss
+    "clip_epsilon": Rule(lambda v: v > 0, "must be > 0 (e.g. 0.2 below, 0.28 above)"),
+    "kl_coef": Rule(lambda v: v >= 0, "must be >= 0 (0 turns the KL term off)"),
+    "tis_cap": _none_or_at_least(1, "off"),
+    # trainer and checkpoints
+    "max_staleness": _none_or_at_least(0, "keep every batch"),
+    "log_samples": _at_least(0, " (0: none)"),
+    "keep_last": _at_least(1, " (the newest is always kept)"),
+    "best_mode": Rule(lambda v: v in ("max", "min"), "use 'max' or 'min'"),
+}
+
+
+def check(rule: str, name: str, value: Any, error: type[Exception] = ValueError, owner: str = "") -> None:
+    """Raise ``error("{owner}{name}={value!r}: {fix}.")`` unless ``value`` keeps ``RULES[rule]``."""
+    if not RULES[rule].ok(value):
+        raise error(f"{owner}{name}={value!r}: {RULES[rule].fix}.")
