@@ -1,11 +1,11 @@
 """Typed run configuration: dataclasses (one per concern), YAML files and ``key=value`` overrides.
 
-Units are in the names: ``prompts_per_step`` counts prompts, ``micro_batch_completions`` counts completions.
+Units are in the names: ``prompts_per_batch`` counts prompts, ``micro_batch_completions`` counts completions.
 Every error names the key, the value and the fix.
 
 Example:
     >>> cfg = load_config("launch/configs/default.yaml", ["trainer.total_frames=256", "rollout.group_size=4"])
-    >>> cfg.rollout.completions_per_step
+    >>> cfg.rollout.completions_per_batch
     64
 """
 from __future__ import annotations
@@ -145,7 +145,7 @@ class RolloutConfig:
     """SGLang: how long to wait for /health on every server at start."""
     request_retries: int = 3
     """SGLang: retries (exponential backoff) for 5xx answers, unreachable servers and aborted requests."""
-    prompts_per_step: int = 16
+    prompts_per_batch: int = 16
     """Prompts per collected batch, over all processes."""
     group_size: int = 8
     """Completions sampled per prompt (GRPO's G); at least 2."""
@@ -190,7 +190,7 @@ class RolloutConfig:
         _choice("rollout.backend", self.backend, ("embedded", "sglang"))
         _check(self.backend != "sglang" or bool(self.urls), "rollout.urls", self.urls,
                "rollout.backend=sglang needs the server URLs, e.g. rollout.urls=[http://host:30000].")
-        _rules("rollout", self, group_size="group_size", prompts_per_step="positive_count",
+        _rules("rollout", self, group_size="group_size", prompts_per_batch="positive_count",
                max_new_tokens="positive_count", max_prompt_tokens="positive_count", temperature="temperature",
                top_p="top_p", top_k="top_k", max_extra_rounds="non_negative_count", max_turns="max_turns",
                max_episode_tokens="optional_count", tool_timeout_s="seconds")
@@ -199,8 +199,8 @@ class RolloutConfig:
                "a decode worker belongs to the embedded engine; set rollout.backend=embedded or drop it.")
 
     @property
-    def completions_per_step(self) -> int:
-        return self.prompts_per_step * self.group_size
+    def completions_per_batch(self) -> int:
+        return self.prompts_per_batch * self.group_size
 
     @property
     def model_tokens_per_completion(self) -> int:
@@ -276,7 +276,7 @@ class GRPOTrainerConfig:
     """Passes over each collected batch."""
     micro_batch_completions: int | typing.Literal["auto"] = "auto"
     """Completions per forward/backward on one process (the replay buffer's batch size); "auto": each process's
-    completions per step / gradient_accumulation_steps, so that any process count dividing the prompts fits."""
+    completions per collected batch / gradient_accumulation_steps, so that any process count dividing the prompts fits."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step."""
     optim_steps_per_batch: int | None = None
@@ -333,7 +333,7 @@ class WeightSyncConfig:
     """disk: folder the servers can read (default output_dir/weights)."""
     admin_api_key: str | None = None
     """The servers' --admin-api-key: weight, pause and session endpoints need it when a server has one."""
-    verify_names: int = 2
+    verify_tensors: int = 2
     """After each update, compare this many parameters with /get_weights_by_name, or where the served model does
     not implement it, a 32-token logprob probe and the reported weight version (0: no check)."""
     max_attempts: int = 2
@@ -383,13 +383,19 @@ class CheckpointConfig:
 
 
 # Settings a resumed run must share with its checkpoint (anything else, e.g. total_frames, may change).
-RESUME_MUST_MATCH = ("model.", "data.", "rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens",
+RESUME_MUST_MATCH = ("model.", "data.", "rollout.prompts_per_batch", "rollout.group_size", "rollout.max_new_tokens",
                      "rollout.temperature", "loss.", "rewards")
+
+
+# Keys an earlier release called otherwise: a config that uses one is told the new name; a checkpoint saved with
+# one still resumes.
+RENAMED = {"rollout.prompts_per_step": "rollout.prompts_per_batch", "weight_sync.verify_names": "weight_sync.verify_tensors"}
 
 
 def resume_conflicts(saved: dict, current: dict) -> list[str]:
     """``key: saved -> current`` for every RESUME_MUST_MATCH setting that differs."""
-    a, b = flatten_keys(saved), flatten_keys(current)
+    a = {RENAMED.get(k, k): v for k, v in flatten_keys(saved).items()}
+    b = flatten_keys(current)
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
             if k.startswith(RESUME_MUST_MATCH) and a.get(k) != b.get(k)]
 
@@ -436,7 +442,7 @@ class GRPOConfig:
         """How each collected batch splits over ``num_processes`` (``micro_batch_completions: auto`` resolved);
         raises naming the setting to change when it does not."""
         r, t = self.rollout, self.trainer
-        layout = BatchLayout(r.prompts_per_step, r.group_size, num_processes, t.micro_batch_completions,
+        layout = BatchLayout(r.prompts_per_batch, r.group_size, num_processes, t.micro_batch_completions,
                              t.gradient_accumulation_steps, t.num_epochs, t.optim_steps_per_batch, CONFIG_NAMES)
         try:
             layout.check()
@@ -498,6 +504,9 @@ def _build(cls, data: Any, prefix: str):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for key in data:
+        if f"{prefix}{key}" in RENAMED:
+            new = RENAMED[f"{prefix}{key}"]
+            raise ConfigError(f"{prefix}{key}: renamed {new} (the same setting); write {new} instead.")
         if key not in names:
             raise ConfigError(f"{prefix}{key}: unknown key; valid keys under {prefix.rstrip('.') or 'the top level'}: {names}.")
     try:

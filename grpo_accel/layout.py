@@ -13,7 +13,7 @@ from typing import Literal, Mapping
 # the settings behind each count, as the Python API and the YAML config call them
 API_NAMES = {"prompts": "prompts_per_batch", "micro_batch": "batch_size", "accumulation": "gradient_accumulation_steps",
              "sampled": "optim_steps_per_batch"}
-CONFIG_NAMES = {"prompts": "rollout.prompts_per_step", "micro_batch": "trainer.micro_batch_completions",
+CONFIG_NAMES = {"prompts": "rollout.prompts_per_batch", "micro_batch": "trainer.micro_batch_completions",
                 "accumulation": "trainer.gradient_accumulation_steps", "sampled": "trainer.optim_steps_per_batch"}
 
 
@@ -93,13 +93,13 @@ class BatchLayout:
 
     def describe(self) -> str:
         size, micro, ga = self.micro_batch, self.micro_batches(), self.accumulation
-        return (f"batch layout: {self.prompts} prompts x {self.group_size} = {self.completions} completions per step; "
+        return (f"batch layout: {self.prompts} prompts x {self.group_size} = {self.completions} completions per collected batch; "
                 f"{self.completions_per_process} per process in {micro} micro-batches of {size}; {ga} micro-batches "
                 f"per optimizer step = {size * ga * self.processes} completions per optimizer step over "
                 f"{self.processes} processes -> {self.optimizer_steps()} optimizer steps per collected batch")
 
     def _share(self) -> str:
-        return (f"each process collects {self.completions_per_process} completions per step "
+        return (f"each process collects {self.completions_per_process} completions per collected batch "
                 f"({self.names['prompts']} / processes x group size)")
 
 

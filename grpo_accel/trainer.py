@@ -221,7 +221,7 @@ class GRPOTrainer:
         stats: dict[str, float] = {}
         if kept.numel() > 0:
             self.hooks.run("pre_optim", self)
-            stats = self._optimise()  # async: weights pushed every weight_update_frequency optimizer steps
+            stats = self.optimise()  # async: weights pushed every weight_update_frequency optimizer steps
             if not self.async_collection:
                 self._update_weights()  # sync: once per batch, then the buffer is emptied if asked
             self.hooks.run("post_optim", self)
@@ -264,8 +264,9 @@ class GRPOTrainer:
             return rollout[:0]
         return rollout
 
-    def _optimise(self) -> dict[str, float]:
-        """num_epochs passes over the buffer; returns the mean of each scalar over the optimizer steps."""
+    def optimise(self) -> dict[str, float]:
+        """The optimizer steps of one collected batch: ``num_epochs`` passes over the replay buffer (or
+        ``optim_steps_per_batch`` sampled micro-batches each). Returns each scalar's mean over the steps."""
         sums: dict[str, float] = defaultdict(float)
         steps, ga = 0, self.gradient_accumulation_steps
         for _ in range(self.num_epochs):

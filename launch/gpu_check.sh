@@ -19,7 +19,7 @@ python=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo pyt
 
 if [ "$mode" = bench ]; then
   "$python" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
-  exec "$python" -m grpo_accel.bench --size 500m --dtype bfloat16 --steps 3 --warmup 1 --prompts 16 --group 8 \
+  exec "$python" launch/bench.py --size 500m --dtype bfloat16 --steps 3 --warmup 1 --prompts 16 --group 8 \
     --max-new-tokens 128 --micro-batch 32 --fixed-length --out "${2:-gpu_bench.json}"
 fi
 [ "$mode" = sglang ] || { echo "usage: bash launch/gpu_check.sh bench|sglang" >&2; exit 2; }
@@ -57,7 +57,7 @@ rm -rf "$run"
 CUDA_VISIBLE_DEVICES=0 "$sg" -m accelerate.commands.launch --config_file accelerate_configs/single_process.yaml \
   launch/train.py output_dir="$run" model.name_or_path="$model" rollout.backend=sglang \
   "rollout.urls=[http://127.0.0.1:$port]" weight_sync.method=$method weight_sync.backend=nccl \
-  weight_sync.dtype=bfloat16 rollout.prompts_per_step=8 rollout.group_size=4 rollout.max_new_tokens=32 \
+  weight_sync.dtype=bfloat16 rollout.prompts_per_batch=8 rollout.group_size=4 rollout.max_new_tokens=32 \
   trainer.total_frames=96 trainer.micro_batch_completions=32 trainer.progress_bar=false \
   checkpoint.interval_frames=null >"$out/train_$method.log" 2>&1 \
   && verdict PASS "GRPO job with weight_sync.method=$method: $(grep -o '"iterations": [0-9]*' "$run/summary.json"), sync $(grep -o '"weight_sync_s": [0-9.]*' "$run/summary.json") s ($((SECONDS - start)) s)" \

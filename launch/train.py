@@ -48,11 +48,11 @@ def build_trainer(cfg: GRPOConfig):
     # Everything that can be checked without a process group is checked first.
     preflight()
     cfg.batch_layout(launch_world_size())
-    per_step = r.prompts_per_step * r.group_size
+    per_step = r.prompts_per_batch * r.group_size
     if t.total_frames % per_step:
         rounded = -(-t.total_frames // per_step) * per_step
         log.warning("trainer.total_frames=%d is rounded up to %d: batches are collected whole (%d prompts x %d = %d "
-                    "completions)", t.total_frames, rounded, r.prompts_per_step, r.group_size, per_step)
+                    "completions)", t.total_frames, rounded, r.prompts_per_batch, r.group_size, per_step)
         t.total_frames = rounded
     c = cfg.checkpoint
     checkpoint = Checkpoint(Path(cfg.output_dir) / "checkpoints", resume=c.resume)
@@ -81,7 +81,7 @@ def build_trainer(cfg: GRPOConfig):
     environment = build_environment(r, cfg.data)
 
     collector = GRPOCollector(  # the trainer gives it this process's share of each batch
-        engine, tokenizer, rows, rewards, prompts_per_batch=r.prompts_per_step,
+        engine, tokenizer, rows, rewards, prompts_per_batch=r.prompts_per_batch,
         group_size=r.group_size, prompt_field=cfg.data.prompt_field, max_prompt_tokens=r.max_prompt_tokens,
         system_prompt=cfg.data.system_prompt,
         scale_advantages=lc.scale_advantages, leave_one_out=lc.leave_one_out, seed=t.seed,
@@ -159,7 +159,7 @@ def build_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
                               top_p=r.top_p, top_k=r.top_k, api_key=r.api_key, health_timeout_s=r.health_timeout_s,
                               retries=r.request_retries)
         common = dict(api_key=r.api_key, admin_api_key=w.admin_api_key, bucket_mb=w.bucket_mb, dtype=getattr(torch, w.dtype),
-                      max_attempts=w.max_attempts, verify_names=w.verify_names, timeout_s=w.timeout_s)
+                      max_attempts=w.max_attempts, verify_tensors=w.verify_tensors, timeout_s=w.timeout_s)
         if w.method == "distributed":
             sender = senders.DistributedWeightSender(accelerator, model, r.urls, master_address=w.master_address,
                                                      master_port=w.master_port, backend=w.backend, layout=w.layout,

@@ -4,7 +4,7 @@ The work: the 82,496-parameter Qwen2 of ``grpo_accel.tasks.tiny.build_tiny_qwen2
 tokenizer), prompts "a+b=" with a, b in 0..49, the answer_match and format_match rewards, 2 prompts x 4
 completions per step, up to 32 new tokens, temperature 1, KL 0.04, learning rate 1e-4, float32 (TRL's bf16
 default turned off), one process, one torch thread for training. Each round runs TRL, then
-``python -m grpo_accel.bench --size tiny --loop ...`` for every grpo_accel variant and decoder asked for; the
+``python launch/bench.py --size tiny --loop ...`` for every grpo_accel variant and decoder asked for; the
 table gives the median over rounds of each run's median step time.
 
 TRL is not a dependency: install it in an environment of its own (same torch and transformers) and name its
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.setdefault("TRL GRPOTrainer", []).append(json.loads(out.stdout.splitlines()[-1])["step_s"])
         for decoder in args.decoders:
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
-                subprocess.run([sys.executable, "-m", "grpo_accel.bench", "--size", "tiny", "--loop", *args.variants,
+                subprocess.run([sys.executable, str(ROOT / "launch" / "bench.py"), "--size", "tiny", "--loop", *args.variants,
                                 "--decoder", decoder, "--steps", str(args.steps), "--warmup", str(args.warmup),
                                 "--prompts", str(WORK["prompts"]), "--group", str(WORK["group"]),
                                 "--micro-batch", str(WORK["prompts"] * WORK["group"]),

@@ -80,7 +80,7 @@ def launch(config: str, script_args: list[str], *, timeout: float = 300, expect_
            launcher_args: list[str] = (), env: dict | None = None,
            script: tuple[str, ...] = (str(ROOT / "launch" / "train.py"),)) -> subprocess.CompletedProcess:
     """``accelerate launch --config_file accelerate_configs/<config> <script> <script_args>``; the script is
-    launch/train.py unless given (e.g. ``("-m", "grpo_accel.bench")``)."""
+    launch/train.py unless given (e.g. ``("launch/bench.py",)``)."""
     cmd = [*ACCELERATE, "--config_file", str(ROOT / "accelerate_configs" / config),
            "--main_process_port", str(free_port()), *launcher_args, *script, *script_args]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", **(env or {})}

@@ -7,6 +7,7 @@ import pytest
 
 from launching import ROOT, launch
 
+BENCH = str(ROOT / "launch" / "bench.py")
 SMALL = ["--size", "1m", "--steps", "2", "--warmup", "1", "--prompts", "2", "--group", "4", "--max-new-tokens", "8",
          "--micro-batch", "4"]
 ITEMS = {"old logprobs from the rollout", "no reference pass at kl_coef=0", "micro-batch trimmed to its longest row",
@@ -27,7 +28,7 @@ def check_result(result: dict, processes: int) -> None:
 
 def test_benchmark_reports_phases_mfu_overhead_and_speed_items(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "grpo_accel.bench", *SMALL, "--items", "--out", str(out)],
+    proc = subprocess.run([sys.executable, BENCH, *SMALL, "--items", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
@@ -55,7 +56,7 @@ def model_folder(tmp_path_factory, tokenizer):
 def test_benchmark_runs_under_accelerate_launch(tmp_path, model_folder, config, stage):
     out = tmp_path / "bench.json"
     proc = launch(config, [*SMALL, "--model", str(model_folder), "--packing", "--out", str(out)],
-                  script=("-m", "grpo_accel.bench"))
+                  script=(BENCH,))
     result = json.loads(out.read_text())
     check_result(result, processes=2)
     assert result["zero_stage"] == stage and result["packing"] is True
@@ -66,7 +67,7 @@ def test_benchmark_takes_a_model_folder(tmp_path, model_folder):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "grpo_accel.bench", *SMALL, "--model", str(model_folder),
+    proc = subprocess.run([sys.executable, BENCH, *SMALL, "--model", str(model_folder),
                            "--decoder", "generate", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -78,7 +79,7 @@ def test_benchmark_takes_a_model_folder(tmp_path, model_folder):
 
 def test_loop_times_whole_iterations_of_each_variant(tmp_path):
     out = tmp_path / "loop.json"
-    proc = subprocess.run([sys.executable, "-m", "grpo_accel.bench", "--size", "tiny", "--loop", "sync", "async",
+    proc = subprocess.run([sys.executable, BENCH, "--size", "tiny", "--loop", "sync", "async",
                            "async+worker", "--steps", "3", "--warmup", "1", "--prompts", "2", "--group", "2",
                            "--max-new-tokens", "4", "--micro-batch", "4", "--kl-coef", "0.04", "--lr", "1e-4",
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -93,7 +94,8 @@ def test_loop_times_whole_iterations_of_each_variant(tmp_path):
 
 
 def test_items_refuse_several_processes(monkeypatch):
-    from grpo_accel.bench import main
+    monkeypatch.syspath_prepend(str(ROOT / "launch"))  # the benchmark is a script beside launch/train.py
+    from bench import main
 
     monkeypatch.setenv("WORLD_SIZE", "2")  # what accelerate launch sets in each of 2 processes
     with pytest.raises(SystemExit, match="--items measures on one process"):

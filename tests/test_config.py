@@ -1,3 +1,4 @@
+import copy
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("path", sorted((ROOT / "launch" / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_experiment_config_loads_and_lays_out(path):
     cfg = load_config(path)
-    assert "completions per step" in cfg.batch_layout(1).describe()
+    assert "completions per collected batch" in cfg.batch_layout(1).describe()
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "launch" / "configs").glob("*.yaml")), ids=lambda p: p.name)
@@ -78,18 +79,18 @@ def test_bad_values_name_key_value_and_fix(override, message):
 
 
 def test_batch_layout_must_divide():
-    cfg = load_config(None, ["rollout.prompts_per_step=6"])
-    with pytest.raises(ConfigError, match="rollout.prompts_per_step=6: must be a positive multiple of the 4 processes"):
+    cfg = load_config(None, ["rollout.prompts_per_batch=6"])
+    with pytest.raises(ConfigError, match="rollout.prompts_per_batch=6: must be a positive multiple of the 4 processes"):
         cfg.batch_layout(4)
     with pytest.raises(ConfigError, match=r"micro_batch_completions=128: 1 micro-batches per epoch \(64 completions / "
                                           r"128\) is not a multiple of trainer.gradient_accumulation_steps=2; .*one of "
                                           r"\[1, 2, 4, 8, 16, 32\], or auto"):
-        load_config(None, ["trainer.gradient_accumulation_steps=2", "rollout.prompts_per_step=8",
+        load_config(None, ["trainer.gradient_accumulation_steps=2", "rollout.prompts_per_batch=8",
                            "trainer.micro_batch_completions=128"]).batch_layout(1)
     layout = load_config(None, ["trainer.micro_batch_completions=32", "trainer.gradient_accumulation_steps=2"]).batch_layout(2)
     assert (layout.completions_per_process, layout.micro_batches(), layout.optimizer_steps()) == (64, 2, 1)
     # the last micro-batch may be short: 64 completions in micro-batches of 24 are 24, 24, 16, one step of 3
-    layout = load_config(None, ["rollout.prompts_per_step=8", "trainer.micro_batch_completions=24",
+    layout = load_config(None, ["rollout.prompts_per_batch=8", "trainer.micro_batch_completions=24",
                                 "trainer.gradient_accumulation_steps=3"]).batch_layout(1)
     assert (layout.micro_batches(), layout.optimizer_steps()) == (3, 1)
     with pytest.raises(ConfigError, match="trainer.optim_steps_per_batch=3: must be a multiple of trainer.gradient_accumulation_steps=2"):
@@ -115,3 +116,18 @@ def test_missing_and_broken_files(tmp_path):
     bad.write_text("model: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_renamed_keys_name_their_new_name_and_old_checkpoints_still_match():
+    from grpo_accel.config import resume_conflicts
+
+    for old, new in [("rollout.prompts_per_step", "rollout.prompts_per_batch"),
+                     ("weight_sync.verify_names", "weight_sync.verify_tensors")]:
+        with pytest.raises(ConfigError, match=f"{old}: renamed {new} \\(the same setting\\); write {new} instead"):
+            load_config(None, [f"{old}=2"])
+    current = to_dict(load_config(None, []))
+    saved = copy.deepcopy(current)
+    saved["rollout"]["prompts_per_step"] = saved["rollout"].pop("prompts_per_batch")  # written by the earlier release
+    assert resume_conflicts(saved, current) == []
+    saved["rollout"]["prompts_per_step"] = 4
+    assert resume_conflicts(saved, current) == ["rollout.prompts_per_batch: 4 -> 16"]

@@ -351,7 +351,7 @@ def test_launched_runs_train_on_episodes(tmp_path, short_turns, config, extra):
     out = tmp_path / "run"
     launch(config, [f"output_dir={out}", f"model.name_or_path={short_turns}", f"data.path={data}",
                     "rollout.environment=tests.episode_env:Countdown", "rollout.max_turns=3",
-                    "rollout.max_new_tokens=6", "rollout.prompts_per_step=4", "rollout.group_size=2",
+                    "rollout.max_new_tokens=6", "rollout.prompts_per_batch=4", "rollout.group_size=2",
                     "trainer.total_frames=24", "trainer.progress_bar=false",
                     "rewards=[{name: env_reward}]", *extra])
     events = EventAccumulator(str(out / "tensorboard")).Reload()
@@ -417,7 +417,7 @@ def test_the_calculator_recipe_runs_on_the_real_model(tmp_path, smollm2):
     out = tmp_path / "run"
     launch("single_process.yaml", [
         "--config", str(ROOT / "launch" / "configs" / "smollm2_calculator.yaml"), f"output_dir={out}",
-        f"model.name_or_path={smollm2}", "data.holdout=2", "rollout.prompts_per_step=2", "rollout.group_size=2",
+        f"model.name_or_path={smollm2}", "data.holdout=2", "rollout.prompts_per_batch=2", "rollout.group_size=2",
         "rollout.max_new_tokens=30", "rollout.max_turns=2", "trainer.total_frames=4", "eval.every_iterations=1",
         "eval.k=1", "trainer.progress_bar=false"])
     scalars = read_scalars(out / "tensorboard")

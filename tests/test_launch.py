@@ -55,7 +55,7 @@ def test_the_smollm2_recipe_runs_end_to_end_on_a_saved_chat_dataset(tmp_path, sm
         "--config", str(ROOT / "launch" / "configs" / "smollm2_arithmetic.yaml"), f"output_dir={out}",
         f"model.name_or_path={smollm2}", f"data.path={tmp_path / 'data'}", "data.eval_split=test",
         "data.rename_columns={question: prompt, solution: answer}", "data.system_prompt=Be brief.",
-        "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=6", "trainer.total_frames=8",
+        "rollout.prompts_per_batch=2", "rollout.group_size=2", "rollout.max_new_tokens=6", "trainer.total_frames=8",
         "eval.every_iterations=1", "eval.k=2", "trainer.progress_bar=false",
     ])
     assert json.loads((out / "summary.json").read_text())["iterations"] == 2

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-from tensordict import TensorDict
 
 from grpo_accel import batch as K
 from grpo_accel.advantages import group_advantages

@@ -20,10 +20,10 @@ ELSEWHERE = {  # how a command starts -> why it does not run in this suite, and 
     "python tests/sglang_standin.py": "a measurement recipe with placeholders (M, B, L); tests/test_sglang.py runs it",
     "accelerate launch --config_file accelerate_configs/zero3.yaml launch/train.py model.name_or_path=M":
         "the second half of that measurement recipe",
-    ".venv/bin/python -m grpo_accel.bench": "minutes at 10m parameters; tests/test_bench.py runs the benchmark small",
-    ".venv/bin/accelerate launch --config_file accelerate_configs/zero3.yaml -m grpo_accel.bench":
+    ".venv/bin/python launch/bench.py": "minutes at 10m parameters; tests/test_bench.py runs the benchmark small",
+    ".venv/bin/accelerate launch --config_file accelerate_configs/zero3.yaml launch/bench.py":
         "minutes under ZeRO-3; tests/test_bench.py runs the benchmark under zero3.yaml small",
-    "GRPO_ACCEL_THREADS=1 .venv/bin/python -m grpo_accel.bench": "3 variants x 60 steps; tests/test_bench.py runs "
+    "GRPO_ACCEL_THREADS=1 .venv/bin/python launch/bench.py": "3 variants x 60 steps; tests/test_bench.py runs "
         "--loop small",
     "PYTHONPATH=. .venv/bin/python launch/trl_parity.py": "needs TRL in an environment of its own (not a "
         "dependency); its grpo_accel half is bench --loop, run small in tests/test_bench.py",

@@ -72,7 +72,7 @@ class _Sender:
     uses_session = False  # /update_weights_from_distributed and _from_tensor need one from 0.5.21 on
 
     def __init__(self, accelerator, model, urls: list[str], *, api_key: str | None, admin_api_key: str | None,
-                 bucket_mb: float, dtype: torch.dtype, max_attempts: int, verify_names: int, timeout_s: float) -> None:
+                 bucket_mb: float, dtype: torch.dtype, max_attempts: int, verify_tensors: int, timeout_s: float) -> None:
         self.accelerator, self.model, self.dtype = accelerator, model, dtype
         self.is_sender = accelerator.is_main_process
         urls = urls if self.is_sender else []
@@ -87,7 +87,7 @@ class _Sender:
             info.check_weight_updates()
         self.bucket_bytes = int(bucket_mb * 2**20)
         self._gather: BucketedGather | None = None
-        self.max_attempts, self.verify_names = max_attempts, verify_names
+        self.max_attempts, self.verify_tensors = max_attempts, verify_tensors
         self._by_name: list[bool] | None = None  # per server: /get_weights_by_name works (asked at the first check)
         self._probe_needed = False
         self.version = 0
@@ -207,11 +207,11 @@ class _Sender:
         """Compare every server with the trainer after a push. Every rank gathers the checked parameters and,
         where a server needs the probe, runs its forward (collectives under ZeRO-3); rank 0 compares. The error
         text, or None."""
-        if not self.verify_names:
+        if not self.verify_tensors:
             return None
         if self._by_name is None:
             self._by_name = self._decide_checks()
-        weights = self.gather.weights[: self.verify_names]
+        weights = self.gather.weights[: self.verify_tensors]
         with gathered_parameters([p for w in weights for p in w.params]):
             expected = {w.name: w.value().to(self.dtype).float().cpu() for w in weights} if self.is_sender else {}
         probe = self._probe_ids()
@@ -311,12 +311,12 @@ class DistributedWeightSender(_Sender):
     def __init__(self, accelerator, model, urls: list[str], *, master_address: str = "127.0.0.1",
                  master_port: int = 29600, backend: str = "auto", bucket_mb: float = 512, layout: str = "per_tensor",
                  dtype: torch.dtype = torch.bfloat16, api_key: str | None = None, admin_api_key: str | None = None,
-                 group_name: str = api.DEFAULT_GROUP, max_attempts: int = 2, verify_names: int = 2,
+                 group_name: str = api.DEFAULT_GROUP, max_attempts: int = 2, verify_tensors: int = 2,
                  timeout_s: float = 600.0) -> None:
         if layout not in ("per_tensor", "flattened_bucket"):
             raise ValueError(f"weight_sync.layout={layout!r}: use 'per_tensor' or 'flattened_bucket'.")
         super().__init__(accelerator, model, urls, api_key=api_key, admin_api_key=admin_api_key, bucket_mb=bucket_mb,
-                         dtype=dtype, max_attempts=max_attempts, verify_names=verify_names, timeout_s=timeout_s)
+                         dtype=dtype, max_attempts=max_attempts, verify_tensors=verify_tensors, timeout_s=timeout_s)
         self.layout, self.timeout_s = layout, timeout_s
         self.backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
         self.group: WeightUpdateGroup | None = None
@@ -428,9 +428,9 @@ class DiskWeightSender(_Sender):
 
     def __init__(self, accelerator, model, urls: list[str], path: str | Path, *, bucket_mb: float = 512,
                  dtype: torch.dtype = torch.bfloat16, api_key: str | None = None, admin_api_key: str | None = None,
-                 keep: int = 2, max_attempts: int = 2, verify_names: int = 2, timeout_s: float = 600.0) -> None:
+                 keep: int = 2, max_attempts: int = 2, verify_tensors: int = 2, timeout_s: float = 600.0) -> None:
         super().__init__(accelerator, model, urls, api_key=api_key, admin_api_key=admin_api_key, bucket_mb=bucket_mb,
-                         dtype=dtype, max_attempts=max_attempts, verify_names=verify_names, timeout_s=timeout_s)
+                         dtype=dtype, max_attempts=max_attempts, verify_tensors=verify_tensors, timeout_s=timeout_s)
         self.path, self.keep = Path(path), keep
         self._index: dict[str, str] = {}  # parameter name -> file, for the update being written
 

@@ -1,7 +1,7 @@
 """Benchmark: every phase of a GRPO step against its limit, on a chosen model size.
 
-    python -m grpo_accel.bench --size 10m --steps 3 --warmup 1 --fixed-length --items --out bench.json
-    accelerate launch --config_file accelerate_configs/zero3.yaml -m grpo_accel.bench --size 10m --warmup 3
+    python launch/bench.py --size 10m --steps 3 --warmup 1 --fixed-length --items --out bench.json
+    accelerate launch --config_file accelerate_configs/zero3.yaml launch/bench.py --size 10m --warmup 3
 
 Per step: generation (embedded engine), rewards, the forward-only logprob pass (pi_old, as with
 num_epochs > 1), and the training phase (GRPOTrainer's optimisation of the batch). Reported: median and
@@ -9,12 +9,12 @@ spread of each phase, generated tokens/s, training tokens/s, the training phase'
 (6 x parameters x tokens) over the peak measured in the same run by a matmul of the model's dtype and hidden
 size (the MFU, on CPU as on GPU), peak memory per process, and the trainer's overhead: its training phase
 over a bare forward/backward/step loop on the same micro-batches in the same run. Runs under every
-accelerate config; ``--items`` adds each speed item before/after (:mod:`grpo_accel.bench_items`).
+accelerate config; ``--items`` adds each speed item before/after (``launch/bench_items.py``).
 
 ``--loop sync async async+worker`` instead times whole ``GRPOTrainer`` iterations (collect, score, train, push)
 of each variant, alternating the variants over ``--rounds`` in one process (one process only):
 
-    python -m grpo_accel.bench --size tiny --loop sync async+worker --prompts 2 --group 4 --kl-coef 0.04 --lr 1e-4
+    python launch/bench.py --size tiny --loop sync async+worker --prompts 2 --group 4 --kl-coef 0.04 --lr 1e-4
 
 Not a test: numbers only.
 """
@@ -29,6 +29,8 @@ import sys
 import time
 
 import torch
+
+from bench_items import items_table, measure_items, timed  # launch/ is on the path: run as a script
 
 from grpo_accel import batch as K
 from grpo_accel.config import DECODERS
@@ -52,20 +54,6 @@ def peak_flops(hidden: int, dtype: torch.dtype, device: torch.device, seconds: f
         _, elapsed = timed(lambda: [a @ b for _ in range(4)])
         best = min(best, elapsed / 4)
     return 2 * 4096 * hidden * hidden / best
-
-
-def timed(fn):
-    """``(fn(), wall seconds)``, queued CUDA work included."""
-    _sync()
-    start = time.perf_counter()
-    out = fn()
-    _sync()
-    return out, time.perf_counter() - start
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 class BareLoop:
@@ -121,7 +109,7 @@ def run(args) -> dict | None:
     from grpo_accel.weight_sync.embedded import EmbeddedWeightSync
 
     if (args.items or args.loop) and launch_world_size() > 1:
-        raise SystemExit(f"grpo_accel.bench: {'--items' if args.items else '--loop'} measures on one process; run it "
+        raise SystemExit(f"launch/bench.py: {'--items' if args.items else '--loop'} measures on one process; run it "
                          "without accelerate launch or with accelerate_configs/single_process.yaml.")
     preflight()
     threads = configure_threads()
@@ -152,7 +140,7 @@ def run(args) -> dict | None:
     phases: dict[str, list[float]] = {k: [] for k in ("generate", "reward", "logprob_pass", "train", "bare_train")}
     tokens = {"generated": [], "trained": []}
     for step in range(args.warmup + args.steps):
-        indices = collector._next_indices()[: args.prompts]
+        indices = [(step * args.prompts + i) % len(rows) for i in range(args.prompts)]
         prompts = [collector.prompts.ids[i] for i in indices]
         td, t_gen = timed(lambda: engine.generate(prompts, args.group, seeds=list(range(len(prompts)))))
         scores, t_rew = timed(lambda: score_rollout(td, [rows[i] for i in indices], collector.prompts.take(indices),
@@ -163,7 +151,7 @@ def run(args) -> dict | None:
         _, t_lp = timed(lambda: torch.no_grad()(trainer.unwrapped_loss.add_old_logprobs)(K.trim_padding(td)))
         trainer.replay_buffer.extend(td)
         micro = [mb.to(device) for mb in trainer.replay_buffer]  # the bare loop's micro-batches: the same rows
-        _, t_train = timed(trainer._optimise)
+        _, t_train = timed(trainer.optimise)
         trainer.replay_buffer.empty()
         _, t_bare = timed(lambda: bare.step(micro))
         if step >= args.warmup:
@@ -193,7 +181,6 @@ def run(args) -> dict | None:
         "peak_memory_mb_per_process": _peak_memory_per_process(accelerator, device),
     }
     if args.items:
-        from grpo_accel.bench_items import measure_items
 
         items = measure_items(trainer.unwrapped_loss.policy, engine, prompts, args.group, td, median,
                               device, threads)
@@ -301,7 +288,6 @@ def table(result: dict) -> str:
               f"({result['trainer_overhead_s'] * 1e3:+.1f} ms per batch)   peak memory per process "
               + " / ".join(f"{mb:.0f}" for mb in result["peak_memory_mb_per_process"]) + " MB"]
     if "items" in result:
-        from grpo_accel.bench_items import items_table
 
         lines += ["", items_table(result["items"])]
     return "\n".join(lines)

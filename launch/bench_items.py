@@ -2,7 +2,7 @@
 
 Every item times (or, for memory, measures the peak of) the same work done both ways on the same model
 and the same tokens, and reports ``before / after``: above 1 means the optimisation pays. Used by
-``python -m grpo_accel.bench --items`` (one process); see that module for the phases themselves.
+``python launch/bench.py --items`` (one process); see that module for the phases themselves.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import re
 import statistics
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
@@ -18,7 +19,6 @@ import torch
 from tensordict import TensorDict
 
 from grpo_accel import batch as K
-from grpo_accel.bench import timed
 
 BIG_VOCAB, BIG_TOKENS = 32768, 4096  # the chunked-logprob item: a realistic vocabulary and micro-batch
 RAGGED_COMPLETION = 128  # packing and trimming items: completions of 32..128 tokens (4x), prompts of 8..16
@@ -38,6 +38,20 @@ class Item:
 
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "ratio": self.ratio}
+
+
+def timed(fn):
+    """``(fn(), wall seconds)``, queued CUDA work included."""
+    _sync()
+    start = time.perf_counter()
+    out = fn()
+    _sync()
+    return out, time.perf_counter() - start
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def median_time(fn: Callable[[], object], reps: int = 3, warmup: int = 1) -> float:
