@@ -259,7 +259,9 @@ class OptimConfig:
     lr: float = 3e-4
     """AdamW learning rate."""
     weight_decay: float = 0.0
+    """AdamW weight decay (decoupled)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    """AdamW betas: the gradient and squared-gradient moving averages."""
     clip_norm: float | None = 1.0
     """Gradient clipping norm; null turns it off."""
 
@@ -292,13 +294,17 @@ class GRPOTrainerConfig:
     weight_update_frequency: int = 1
     """Async: optimizer steps between weight pushes to the engine (sync pushes once per batch)."""
     seed: int = 0
+    """Seeds torch, the data order and every sampling key: the same seed draws the same run."""
     log_interval: int = 1
     """Frames between logs (1: every collected batch)."""
     progress_bar: bool = True
+    """A tqdm bar over completions (frames) on the main process."""
     log_timings: bool = False
     """Log wall time of each phase under time/."""
     log_rewards: bool = True
+    """Log the reward mean and std, total and per reward function (train/reward_*, train/reward/*)."""
     log_kl: bool = True
+    """Log the KL and KL-estimator scalars (false drops every scalar with "kl" in its name)."""
     log_samples: int = 3
     """Completions written to TensorBoard as text at each log (prompt, completion, rewards); 0: none."""
 
@@ -327,6 +333,7 @@ class WeightSyncConfig:
     master_address: str = "127.0.0.1"
     """distributed: address of training rank 0 that the servers connect to."""
     master_port: int = 29600
+    """Port of the weight-update process group's rendezvous on master_address."""
     dtype: str = "bfloat16"
     """dtype the servers hold the weights in."""
     disk_path: str | None = None
@@ -339,6 +346,7 @@ class WeightSyncConfig:
     max_attempts: int = 2
     """Full pushes tried before stopping with an error and a checkpoint."""
     timeout_s: float = 600.0
+    """Seconds each HTTP request to a server may take (a weight push, a check) before it is an error."""
 
     def __post_init__(self) -> None:
         _choice("weight_sync.method", self.method, ("distributed", "disk", "tensor"))
@@ -373,7 +381,9 @@ class CheckpointConfig:
     keep_best: int = 0
     """Additionally keep this many best checkpoints by best_metric."""
     best_metric: str = "train/reward_mean"
+    """The logged scalar that ranks checkpoints for keep_best."""
     best_mode: str = "max"
+    """"max" or "min": which end of best_metric is best."""
     legacy_file: str | None = None
     """Also write a single-file torch payload here (the spec's save_trainer_file; read by load_from_file)."""
 
