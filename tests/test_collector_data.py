@@ -54,14 +54,18 @@ def test_dataset_fields_reach_reward_functions(tokenizer, tiny_model):
 
 
 def test_epochs_visit_every_row_and_state_dict_resumes(tokenizer, tiny_model):
+    def prompts_of(td):  # each group's prompt tokens, in batch order
+        g = c.group_size
+        return [tuple(ids[mask.bool()].tolist()) for ids, mask in zip(td[K.PROMPT_IDS][::g], td[K.PROMPT_MASK][::g])]
+
     c = _collector(tokenizer, tiny_model)
-    first = [c._next_indices() for _ in range(3)]  # 12 indices: the first 9 are one pass
-    assert sorted(sum(first, [])[:9]) == list(range(9)), "one pass visits every row once"
+    first = [prompts_of(c.collect()) for _ in range(3)]  # 12 prompts: the first 9 are one pass
+    assert sorted(sum(first, [])[:9]) == sorted(tuple(ids) for ids in c.prompts.ids), "one pass visits every row once"
     state = c.state_dict()
-    upcoming = c._next_indices()
+    upcoming = prompts_of(c.collect())
     other = _collector(tokenizer, tiny_model)
     other.load_state_dict(state)
-    assert other._next_indices() == upcoming
+    assert prompts_of(other.collect()) == upcoming
 
 
 def test_processes_take_disjoint_slices_of_the_same_global_batch(tokenizer, tiny_model):

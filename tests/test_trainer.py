@@ -31,7 +31,7 @@ def test_kept_buffer_grows_and_old_logprobs_are_stored(tokenizer, tiny_model):
     trainer = make_trainer(tokenizer, tiny_model, empty_replay_buffer_on_weight_update=False, optim_steps_per_batch=1)
     trainer.train()
     assert len(trainer.replay_buffer) == 48
-    assert K.OLD_LOGPROBS in trainer.replay_buffer._storage.keys()
+    assert all(K.OLD_LOGPROBS in mb.keys() for mb in trainer.replay_buffer)
 
 
 def test_first_epoch_is_on_policy_then_ratio_moves(tokenizer, tiny_model):
