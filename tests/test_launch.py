@@ -72,7 +72,6 @@ def test_the_smollm2_recipe_runs_end_to_end_on_a_saved_chat_dataset(tmp_path, sm
     "override, message",
     [("rollout.group_size=1", "rollout.group_size=1: GRPO compares completions"),
      ("data.path=/nonexistent.jsonl", "data.path='/nonexistent.jsonl': no such file"),
-     ("trainer.micro_batch_completions=48", "multiple of micro_batch_completions x gradient_accumulation_steps = 48"),
      ("rollout.max_prompt_tokens=2", "dataset row 0: column 'prompt' is 4 tokens, more than rollout.max_prompt_tokens=2")],
 )
 def test_bad_input_stops_with_a_named_error(tmp_path, override, message):
@@ -84,16 +83,19 @@ def test_bad_input_stops_with_a_named_error(tmp_path, override, message):
 
 
 def test_an_error_of_ours_is_one_line_and_exit_code_2(tmp_path):
-    """Run directly, it is the last line; under a 2-process launch one process says it and torch's launcher
-    report names it instead of pointing at its docs."""
-    bad = [f"output_dir={tmp_path}", "trainer.micro_batch_completions=48"]
+    """Run directly, it is the last line; under a 2-process launch one process says it, before any process group
+    exists, and torch's launcher report names it instead of pointing at its docs. (A batch layout that does not
+    split: the layout's messages are tested in-process in test_config.py.)"""
+    bad = [f"output_dir={tmp_path}", "trainer.micro_batch_completions=24", "trainer.gradient_accumulation_steps=4"]
     direct = run_in_group([sys.executable, str(ROOT / "launch" / "train.py"), *bad], timeout=120)
     assert direct.returncode == 2
-    assert direct.stderr.splitlines()[-1].startswith("error: trainer.micro_batch_completions=48: each process")
+    assert direct.stderr.splitlines()[-1].startswith(
+        "error: trainer.micro_batch_completions=24: 6 micro-batches per epoch (128 completions / 24)")
     proc = launch("ddp.yaml", bad, expect_ok=False, timeout=120)
     said = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(said) == 1 and "use auto or one of [1, 2, 4, 8, 16, 32, 64]" in said[0]
+    assert len(said) == 1 and "(64 completions / 24) is not a multiple of trainer.gradient_accumulation_steps=4" in said[0]
     assert f"traceback : {said[0]}" in proc.stderr and 'launch/train.py", line' not in proc.stderr
+    assert "process group ready" not in proc.stderr
 
 
 def test_empty_dataset_names_the_file(tmp_path):
