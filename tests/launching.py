@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -74,6 +76,35 @@ def _kill_tree(pid: int) -> None:
 
 def _text(output: bytes | str | None) -> str:
     return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+
+# test_distributed.py runs the README's training command of these configs as written (its arguments appended);
+# test_readme.py runs the README's other commands.
+README_RUNS_IN_TEST_DISTRIBUTED = ("single_process.yaml", "ddp.yaml", "zero1.yaml", "zero2.yaml", "zero3.yaml")
+
+
+def readme_commands() -> list[str]:
+    """The commands of README.md's bash blocks: continuations joined, comments dropped."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S):
+        for command in block.replace("\\\n", " ").splitlines():
+            command = re.sub(r"\s+#.*$", "", command).strip()
+            if command and not command.startswith("#"):
+                commands.append(re.sub(r"\s+", " ", command))
+    return commands
+
+
+def launch_as_in_readme(config: str, script_args: list[str], *, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The README's own command for training under ``accelerate_configs/<config>``, with ``script_args`` appended."""
+    command = f".venv/bin/accelerate launch --config_file accelerate_configs/{config} launch/train.py"
+    assert command in readme_commands(), f"the README no longer has {command!r}"
+    full = f"{command} {' '.join(shlex.quote(a) for a in script_args)}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu"}
+    proc = run_in_group(["bash", "-c", full], cwd=ROOT, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{full}\nexit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
+                             f"--- stderr (all ranks)\n{proc.stderr[-12000:]}")
+    return proc
 
 
 def launch(config: str, script_args: list[str], *, timeout: float = 300, expect_ok: bool = True,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from grpo_accel.distributed import DistributedConfigError, read_deepspeed_file, validate_deepspeed_config
-from launching import ROOT, free_port, launch, run_in_group
+from launching import README_RUNS_IN_TEST_DISTRIBUTED, ROOT, free_port, launch, launch_as_in_readme, run_in_group
 
 BASE = ["trainer.total_frames=640", "trainer.progress_bar=false"]  # 5 batches of 16 prompts x 8
 TAGS = ("train/loss", "train/reward_mean", "train/clip_fraction", "train/entropy")
@@ -24,8 +24,10 @@ READY = "process group ready: rank {} of 2"
 
 
 def run(config, tmp_path, name, *extra):
+    """A training run; under the configs the README names, through the README's own command line."""
     out = tmp_path / name
-    proc = launch(config, [f"output_dir={out}", *BASE, *extra])
+    args = [f"output_dir={out}", *BASE, *extra]
+    proc = launch_as_in_readme(config, args) if config in README_RUNS_IN_TEST_DISTRIBUTED else launch(config, args)
     if config != "single_process.yaml":
         assert READY.format(0) in proc.stderr and READY.format(1) in proc.stderr
     if "loss.packing=true" in extra:

@@ -1,14 +1,15 @@
 """Every shell command in README.md runs as written here, or is named below with the reason it cannot.
 
 Commands that train get a temporary ``output_dir``, ``trainer.total_frames=256`` and no progress bar appended;
-nothing else is changed, so the README cannot drift from what works.
+nothing else is changed, so the README cannot drift from what works. The training commands of the configs in
+``launching.README_RUNS_IN_TEST_DISTRIBUTED`` run there, as written, in its 2-process comparisons.
 """
 import os
 import re
 
 import pytest
 
-from launching import ROOT, run_in_group
+from launching import README_RUNS_IN_TEST_DISTRIBUTED, ROOT, readme_commands, run_in_group
 
 ELSEWHERE = {  # how a command starts -> why it does not run in this suite, and what covers it instead
     "bash launch/setup.sh && .venv/bin/python -m pytest": "the test suite itself (what .ci/run runs)",
@@ -40,19 +41,14 @@ ELSEWHERE = {  # how a command starts -> why it does not run in this suite, and 
 TRAINS = re.compile(r"accelerate launch --config_file accelerate_configs/\w+\.yaml launch/train\.py$")
 
 
-def readme_commands() -> list[str]:
-    """The commands of README.md's bash blocks: continuations joined, comments dropped."""
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S):
-        for command in block.replace("\\\n", " ").splitlines():
-            command = re.sub(r"\s+#.*$", "", command).strip()
-            if command and not command.startswith("#"):
-                commands.append(re.sub(r"\s+", " ", command))
-    return commands
-
-
 def runnable() -> list[str]:
     return [c for c in readme_commands() if not c.startswith(tuple(ELSEWHERE))]
+
+
+def run_here() -> list[str]:
+    """The runnable commands test_distributed.py does not already run as written (launch_as_in_readme)."""
+    elsewhere = [f"--config_file accelerate_configs/{c} launch/train.py" for c in README_RUNS_IN_TEST_DISTRIBUTED]
+    return [c for c in runnable() if not (c.startswith(".venv/bin/accelerate") and c.endswith(tuple(elsewhere)))]
 
 
 def test_every_readme_command_runs_here_or_is_accounted_for():
@@ -64,7 +60,7 @@ def test_every_readme_command_runs_here_or_is_accounted_for():
     assert not unused, f"ELSEWHERE names commands the README no longer has: {unused}"
 
 
-@pytest.mark.parametrize("command", runnable())
+@pytest.mark.parametrize("command", run_here())
 def test_readme_training_command_runs_as_written(command, tmp_path):
     out = tmp_path / "run"
     proc = run_in_group(["bash", "-c", f"{command} output_dir={out} trainer.total_frames=256 "
