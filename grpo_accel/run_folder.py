@@ -26,6 +26,33 @@ LOCK_FILE = ".grpo_accel.lock"
 RUN_OUTPUTS = ("checkpoints", "tensorboard", "summary.json")
 
 
+def start_point(cfg, checkpoint, first_process: bool) -> Path | None:
+    """Where a launched run starts, decided in one place before any model is built: the checkpoint to resume
+    (``checkpoint.resume``), whose saved settings must be this run's (``config.RESUME_MUST_MATCH``), or None for
+    a fresh run, which refuses a folder holding an earlier run's outputs unless ``overwrite=true`` (then the first
+    process deletes them). What only the built run knows (process count, ZeRO stage, parameter shapes, whole
+    files) :meth:`~grpo_accel.checkpoint.Checkpoint.verify` checks as the checkpoint loads."""
+    from grpo_accel.config import ConfigError, resume_conflicts, to_dict
+
+    out, resume = Path(cfg.output_dir), checkpoint.resume_path()
+    if resume is not None:
+        conflicts = resume_conflicts(checkpoint.read_metadata(resume)["user"]["config"], to_dict(cfg))
+        if conflicts:
+            raise ConfigError(f"checkpoint {resume} was trained with other settings: {conflicts}; resume with the "
+                              "same settings, or start a new run in another output_dir.")
+        return resume
+    if not (found := previous_run_outputs(out)):
+        return None
+    if not cfg.overwrite:
+        raise ConfigError(
+            f"output_dir={str(out)!r} holds an earlier run's {', '.join(found)} and this run starts fresh "
+            f"(checkpoint.resume={cfg.checkpoint.resume!r}): checkpoint.resume=auto continues that run; a new run "
+            "needs another output_dir, or overwrite=true to delete them first.")
+    if first_process:
+        logger.warning("overwrite=true: deleted an earlier run's %s in %s", ", ".join(remove_run_outputs(out)), out)
+    return None
+
+
 class RunFolderBusy(RuntimeError):
     """Another live process holds the run folder's lock; the message names it."""
 

@@ -35,7 +35,8 @@ def build_trainer(cfg: GRPOConfig):
 
     from grpo_accel.build import build_environment, build_policy, build_rewards, build_rows
     from grpo_accel.checkpoint import Checkpoint, CheckpointRotation
-    from grpo_accel.config import ConfigError, resume_conflicts
+    from grpo_accel.config import ConfigError
+    from grpo_accel.run_folder import start_point
     from grpo_accel.distributed import launch_world_size, make_accelerator, preflight
     from grpo_accel.evaluation import Evaluator
     from grpo_accel.lora import trainable_parameters
@@ -56,14 +57,7 @@ def build_trainer(cfg: GRPOConfig):
         t.total_frames = rounded
     c = cfg.checkpoint
     checkpoint = Checkpoint(Path(cfg.output_dir) / "checkpoints", resume=c.resume)
-    resume = checkpoint.resume_path()
-    if resume is None:
-        refuse_earlier_run(cfg)
-    else:
-        conflicts = resume_conflicts(Checkpoint.read_metadata(resume)["user"]["config"], to_dict(cfg))
-        if conflicts:
-            raise ConfigError(f"checkpoint {resume} was trained with other settings: {conflicts}; resume with the "
-                              "same settings, or start a new run in another output_dir.")
+    start_point(cfg, checkpoint, first_process())
     rows, held_out = build_rows(cfg.data)
     if cfg.eval.every_iterations and not held_out:
         raise ConfigError(f"eval.every_iterations={cfg.eval.every_iterations}: there are no held-out rows; set "
@@ -121,24 +115,6 @@ def build_trainer(cfg: GRPOConfig):
         trainer.register_op("pre_train", evaluator.before_training, "evaluate_untrained")
         trainer.register_op("post_iteration", evaluator, "evaluate")
     return trainer
-
-
-def refuse_earlier_run(cfg: GRPOConfig) -> None:
-    """A fresh run refuses output_dir if an earlier run's outputs are there (every process checks), unless
-    ``overwrite=true`` (the first process deletes them)."""
-    from grpo_accel.config import ConfigError
-    from grpo_accel.run_folder import previous_run_outputs, remove_run_outputs
-
-    out = Path(cfg.output_dir)
-    if not (found := previous_run_outputs(out)):
-        return
-    if not cfg.overwrite:
-        raise ConfigError(
-            f"output_dir={str(out)!r} holds an earlier run's {', '.join(found)} and this run starts fresh "
-            f"(checkpoint.resume={cfg.checkpoint.resume!r}): checkpoint.resume=auto continues that run; a new run "
-            "needs another output_dir, or overwrite=true to delete them first.")
-    if first_process():
-        log.warning("overwrite=true: deleted an earlier run's %s in %s", ", ".join(remove_run_outputs(out)), out)
 
 
 def first_process() -> bool:
