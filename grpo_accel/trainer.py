@@ -256,8 +256,7 @@ class GRPOTrainer:
         self.layout.check(len(self.replay_buffer))
 
     def _drop_stale(self, rollout: TensorDict) -> TensorDict:
-        """Async: a batch generated more than ``max_staleness`` pushes ago (on any process) is dropped (an empty
-        rollout comes back)."""
+        """Async: a batch generated over ``max_staleness`` pushes ago (on any process) comes back empty."""
         self._staleness = staleness(self.accelerator, self.weight_version, rollout)
         if self.max_staleness is not None and self._staleness > self.max_staleness:
             self.dropped_batches += 1
