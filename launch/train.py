@@ -36,12 +36,12 @@ def build_trainer(cfg: GRPOConfig):
     from grpo_accel.build import build_environment, build_policy, build_rewards, build_rows
     from grpo_accel.checkpoint import Checkpoint, CheckpointRotation
     from grpo_accel.config import ConfigError
-    from grpo_accel.run_folder import start_point
     from grpo_accel.distributed import launch_world_size, make_accelerator, preflight
     from grpo_accel.evaluation import Evaluator
     from grpo_accel.lora import trainable_parameters
     from grpo_accel.loss import GRPOLoss
     from grpo_accel.rollout.collector import GRPOCollector
+    from grpo_accel.run_folder import start_point
     from grpo_accel.tracking import TensorBoardLogger
     from grpo_accel.trainer import GRPOTrainer
 

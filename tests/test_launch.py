@@ -69,15 +69,35 @@ def test_the_smollm2_recipe_runs_end_to_end_on_a_saved_chat_dataset(tmp_path, sm
 
 
 @pytest.mark.parametrize(
-    "override, message",
-    [("rollout.group_size=1", "rollout.group_size=1: GRPO compares completions"),
-     ("data.path=/nonexistent.jsonl", "data.path='/nonexistent.jsonl': no such file"),
-     ("rollout.max_prompt_tokens=2", "dataset row 0: column 'prompt' is 4 tokens, more than rollout.max_prompt_tokens=2")],
+    "overrides, message",
+    [(["rollout.group_size=1"], "rollout.group_size=1: GRPO compares completions"),
+     (["data.path=/nonexistent.jsonl"], "data.path='/nonexistent.jsonl': no such file"),
+     (["data.path={empty}"], "the dataset is empty"),
+     (["eval.every_iterations=5"], "eval.every_iterations=5: there are no held-out rows")],
 )
-def test_bad_input_stops_with_a_named_error(tmp_path, override, message):
-    proc = launch("single_process.yaml", [f"output_dir={tmp_path}", override], expect_ok=False, timeout=120)
+def test_bad_input_is_a_named_error_before_anything_is_built(tmp_path, monkeypatch, overrides, message):
+    """launch/train.py's checks, in-process: each error names the setting or file (how a launch prints it, one
+    line, is the launched tests' below)."""
+    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    from train import build_trainer, user_errors
+
+    from grpo_accel.config import load_config
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(user_errors()) as err:
+        build_trainer(load_config(None, [f"output_dir={tmp_path / 'run'}", *(o.format(empty=empty) for o in overrides)]))
+    assert message in str(err.value)
+    if message == "the dataset is empty":
+        assert str(empty) in str(err.value)  # the file is named
+
+
+def test_a_data_error_stops_a_launch_with_one_named_line(tmp_path):
+    proc = launch("single_process.yaml", [f"output_dir={tmp_path}", "rollout.max_prompt_tokens=2"], expect_ok=False,
+                  timeout=120)
     assert proc.returncode != 0
     said = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    message = "dataset row 0: column 'prompt' is 4 tokens, more than rollout.max_prompt_tokens=2"
     assert len(said) == 1 and message in said[0], proc.stderr[-3000:]  # one line, not a traceback
     assert 'launch/train.py", line' not in proc.stderr
 
@@ -96,13 +116,6 @@ def test_an_error_of_ours_is_one_line_and_exit_code_2(tmp_path):
     assert len(said) == 1 and "(64 completions / 24) is not a multiple of trainer.gradient_accumulation_steps=4" in said[0]
     assert f"traceback : {said[0]}" in proc.stderr and 'launch/train.py", line' not in proc.stderr
     assert "process group ready" not in proc.stderr
-
-
-def test_empty_dataset_names_the_file(tmp_path):
-    data = tmp_path / "empty.jsonl"
-    data.write_text("\n")
-    proc = launch("single_process.yaml", [f"output_dir={tmp_path}", f"data.path={data}"], expect_ok=False, timeout=120)
-    assert "the dataset is empty" in proc.stderr and str(data) in proc.stderr
 
 
 TINY_MODEL_CONFIGS = sorted(p.name for p in (ROOT / "launch" / "configs").glob("*.yaml") if not p.name.startswith("smollm2"))
@@ -124,11 +137,6 @@ def test_every_experiment_config_runs(tmp_path, config):
         assert [v for _, v in scalars["train/staleness"]][1:] == [1.0, 1.0, 1.0]
     if config == "dapo.yaml":
         assert "train/dropped_group_fraction" in scalars
-
-
-def test_eval_without_held_out_rows_is_an_error(tmp_path):
-    proc = launch("single_process.yaml", [f"output_dir={tmp_path}", "eval.every_iterations=5"], expect_ok=False)
-    assert "eval.every_iterations=5: there are no held-out rows" in proc.stderr
 
 
 def test_import_is_cheap():

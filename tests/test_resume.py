@@ -7,7 +7,7 @@ import torch
 
 from grpo_accel.checkpoint import Checkpoint
 from grpo_accel.export import checkpoint_state_dict, policy_weights
-from launching import launch
+from launching import ROOT, launch
 
 BASE = ["trainer.progress_bar=false", "trainer.micro_batch_completions=64", "checkpoint.interval_frames=null"]
 BATCH = 128  # frames per collected batch (16 prompts x 8)
@@ -115,17 +115,24 @@ def test_resume_with_another_process_count_says_how(tmp_path, straight, never):
     assert contents(run) == before
 
 
-def test_resume_with_other_settings_names_them(tmp_path, straight, never):
+def test_resume_with_other_settings_names_them(tmp_path, straight, never, monkeypatch):
+    """launch/train.py's start point, in-process: refused before anything is built, the run folder untouched."""
+    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    from train import build_trainer
+
+    from grpo_accel.config import ConfigError, load_config
+
     run = tmp_path / "run"
     shutil.copytree(straight("zero2.yaml"), run)
-    proc = launch("single_process.yaml", [f"output_dir={run}", f"trainer.total_frames={8 * BATCH}", *BASE, never,
-                                          "checkpoint.resume=auto", "rollout.group_size=4", "model.hidden_size=32"],
-                  expect_ok=False)
-    assert "was trained with other settings" in proc.stderr
-    assert "model.hidden_size: 64 -> 32" in proc.stderr and "rollout.group_size: 8 -> 4" in proc.stderr
+    before = contents(run)
+    with pytest.raises(ConfigError, match="was trained with other settings") as err:
+        build_trainer(load_config(None, [f"output_dir={run}", f"trainer.total_frames={8 * BATCH}", *BASE, never,
+                                         "checkpoint.resume=auto", "rollout.group_size=4", "model.hidden_size=32"]))
+    assert "model.hidden_size: 64 -> 32" in str(err.value) and "rollout.group_size: 8 -> 4" in str(err.value)
+    assert contents(run) == before
 
 
-def test_a_fresh_run_never_lands_on_another_runs_outputs(tmp_path):
+def test_a_fresh_run_never_lands_on_another_runs_outputs(tmp_path, monkeypatch):
     """Reusing an output_dir used to rotate out the earlier run's checkpoints (and its own), mix TensorBoard
     files and feed resume=auto; and two live runs could write one folder."""
     import os
@@ -133,14 +140,18 @@ def test_a_fresh_run_never_lands_on_another_runs_outputs(tmp_path):
     import subprocess
     import sys
 
+    from grpo_accel.config import ConfigError, load_config
     from grpo_accel.tracking import read_scalars
 
     run = tmp_path / "run"
     launch("single_process.yaml", [f"output_dir={run}", f"trainer.total_frames={2 * BATCH}", *BASE])
     before = contents(run)
-    proc = launch("single_process.yaml", [f"output_dir={run}", f"trainer.total_frames={BATCH}", *BASE], expect_ok=False)
-    assert "holds an earlier run's checkpoints, tensorboard, summary.json" in proc.stderr
-    assert "checkpoint.resume=auto continues that run" in proc.stderr and "overwrite=true" in proc.stderr
+    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    from train import build_trainer  # the fresh run's refusal, in-process: decided before anything is built
+
+    with pytest.raises(ConfigError, match="holds an earlier run's checkpoints, tensorboard, summary.json") as err:
+        build_trainer(load_config(None, [f"output_dir={run}", f"trainer.total_frames={BATCH}", *BASE]))
+    assert "checkpoint.resume=auto continues that run" in str(err.value) and "overwrite=true" in str(err.value)
     assert contents(run) == before
 
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from grpo_accel.run_folder import RunFolderLock; "
