@@ -122,12 +122,27 @@ TINY_MODEL_CONFIGS = sorted(p.name for p in (ROOT / "launch" / "configs").glob("
 
 
 @pytest.mark.parametrize("config", TINY_MODEL_CONFIGS)  # the smollm2 recipe: test_the_smollm2_recipe_runs_end_to_end
-def test_every_experiment_config_runs(tmp_path, config):
+def test_every_experiment_config_runs(tmp_path, monkeypatch, config):
+    """Each shipped config trained by launch/train.py's ``run``, in this process (launching a single process adds
+    nothing the launched tests do not cover); the Accelerate state is reset after each."""
+    import time
+
+    from trainer_utils import reset_accelerate_state
+
+    from grpo_accel.config import load_config
+
+    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    from train import run
+
     out = tmp_path / "run"
-    launch("single_process.yaml", ["--config", str(ROOT / "launch" / "configs" / config), f"output_dir={out}",
-                                   "trainer.total_frames=512", "trainer.progress_bar=false", "eval.every_iterations=2"]
-           + (["data.holdout=4"] if config != "dapo.yaml" else [])
-           + (["rollout.embedded_worker=true"] if config == "async.yaml" else []))  # and the decode worker
+    cfg = load_config(ROOT / "launch" / "configs" / config,
+                      [f"output_dir={out}", "trainer.total_frames=512", "trainer.progress_bar=false", "eval.every_iterations=2"]
+                      + (["data.holdout=4"] if config != "dapo.yaml" else [])
+                      + (["rollout.embedded_worker=true"] if config == "async.yaml" else []))  # and the decode worker
+    try:
+        assert run(cfg, time.perf_counter()) == 0
+    finally:
+        reset_accelerate_state()
     from grpo_accel.tracking import read_scalars
 
     scalars = read_scalars(out / "tensorboard")
