@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from grpo_accel.layout import CONFIG_NAMES, BatchLayout
-from grpo_accel.rules import check
+from grpo_accel.rules import check, require
 from grpo_accel.tasks import BUILTIN_TASKS
 
 
@@ -29,8 +29,7 @@ class ConfigError(ValueError):
 
 
 def _check(ok: bool, key: str, value: Any, fix: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}={value!r}: {fix}")
+    require(ok, key, value, fix, ConfigError)
 
 
 def _rules(section: str, values: Any, **rules: str) -> None:

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from grpo_accel import batch as K
 from grpo_accel.logprobs import sequence_logprobs
-from grpo_accel.rules import check
+from grpo_accel.rules import check, require
 
 logger = logging.getLogger(__name__)
 
@@ -358,5 +358,4 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def _check(ok: bool, name: str, value, fix: str) -> None:
-    if not ok:
-        raise ValueError(f"GRPOLoss: {name}={value!r}: {fix}.")
+    require(ok, name, value, f"{fix}.", owner="GRPOLoss: ")

@@ -50,7 +50,12 @@ RULES: dict[str, Rule] = {
 }
 
 
+def require(ok: bool, name: str, value: Any, fix: str, error: type[Exception] = ValueError, owner: str = "") -> None:
+    """Raise ``error("{owner}{name}={value!r}: {fix}")`` unless ``ok``: every setting's error reads this way."""
+    if not ok:
+        raise error(f"{owner}{name}={value!r}: {fix}")
+
+
 def check(rule: str, name: str, value: Any, error: type[Exception] = ValueError, owner: str = "") -> None:
     """Raise ``error("{owner}{name}={value!r}: {fix}.")`` unless ``value`` keeps ``RULES[rule]``."""
-    if not RULES[rule].ok(value):
-        raise error(f"{owner}{name}={value!r}: {RULES[rule].fix}.")
+    require(RULES[rule].ok(value), name, value, f"{RULES[rule].fix}.", error, owner)

@@ -14,6 +14,7 @@ One iteration (``_iteration``, in this order; the hook stages users register at 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import defaultdict
@@ -88,8 +89,8 @@ class GRPOTrainer:
         if hasattr(collector, "completions_per_batch"):  # the usual layout can be checked before anything runs
             self.layout.check(collector.completions_per_batch)
         self.logger, self.async_collection, self.max_staleness = logger, async_collection, max_staleness
-        self.reporter = Reporter(acc, logger, ReportSettings(log_interval, log_timings, auto_log_optim_steps, log_rewards,
-                                                             log_kl, log_samples, progress_bar), getattr(collector, "tokenizer", None))
+        settings = ReportSettings(**{f.name: args[f.name] for f in dataclasses.fields(ReportSettings)})  # same names
+        self.reporter = Reporter(acc, logger, settings, getattr(collector, "tokenizer", None))
         self.stepper = optimization_stepper or MixedPrecisionOptimizationStepper(optimizer, clip_norm, mixed_precision,
                                                                                  autocast_dtype)
         configure_deepspeed_for(acc, loss_module, micro_batch=self.replay_buffer.batch_size,

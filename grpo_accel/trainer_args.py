@@ -7,14 +7,14 @@ import functools
 import torch
 
 from grpo_accel.distributed import any_process, make_accelerator, zero_stage
+from grpo_accel import rules
 from grpo_accel.rules import check
 
 AUTOCAST_MODES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def require(ok: bool, name: str, value, fix: str) -> None:
-    if not ok:
-        raise ValueError(f"GRPOTrainer: {name}={value!r}: {fix}.")
+    rules.require(ok, name, value, f"{fix}.", owner="GRPOTrainer: ")
 
 
 def check_arguments(a: dict) -> None:

@@ -131,7 +131,7 @@ class GRPOCollector:
         self.prompts_per_batch, self.group_size = prompts_per_batch, group_size
         self.prompt_field = prompt_field
         self.scale_advantages, self.leave_one_out = scale_advantages, leave_one_out
-        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.seed, self.rank = seed, rank
         self.dynamic_sampling, self.max_extra_rounds, self.sync_any = dynamic_sampling, max_extra_rounds, sync_any
         self.epoch, self.position, self.batches = 0, 0, 0
         self._seconds = dict.fromkeys(TIMED, 0.0)  # this batch's seconds per phase
@@ -160,7 +160,12 @@ class GRPOCollector:
         collector built for one process when it runs under several)."""
         self.layout = dataclasses.replace(self.layout, processes=world_size)
         self.layout.check_split()
-        self.rank, self.world_size, self.sync_any = rank, world_size, sync_any
+        self.rank, self.sync_any = rank, sync_any
+
+    @property
+    def world_size(self) -> int:
+        """Processes the batch is split over (the layout's)."""
+        return self.layout.processes
 
     @property
     def completions_per_batch(self) -> int:
