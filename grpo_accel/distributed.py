@@ -130,12 +130,14 @@ def make_accelerator(gradient_accumulation_steps: int = 1, mixed_precision: str 
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
-    from grpo_accel.runtime import clear_stale_build_locks
+    from grpo_accel.runtime import clear_stale_build_locks, skip_deepspeed_shm_op
 
     world = launch_world_size()
     cpu_only = not torch.cuda.is_available()
-    if uses_deepspeed():  # DeepSpeed JIT-builds ops (on CPU: its shm op) under torch's build lock
+    if uses_deepspeed():  # DeepSpeed JIT-builds ops under torch's build lock
         clear_stale_build_locks()
+        if cpu_only:
+            skip_deepspeed_shm_op()
     if world > 1 and cpu_only and not uses_deepspeed():
         os.environ["ACCELERATE_USE_CPU"] = "true"  # a MULTI_GPU (DDP) config on CPU: MULTI_CPU over gloo
     handlers = [InitProcessGroupKwargs(backend="gloo")] if world > 1 and cpu_only else []

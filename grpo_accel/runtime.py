@@ -1,4 +1,5 @@
-"""Process-level set-up: torch threads per process, stale build locks, signals and the terminal, the exit."""
+"""Process-level set-up: torch threads per process, DeepSpeed's CPU op, stale build locks, signals and the terminal,
+the exit."""
 from __future__ import annotations
 
 import contextlib
@@ -42,6 +43,21 @@ def configure_threads() -> int:
         threads = max(1, available_cores() // max(1, local))
     torch.set_num_threads(threads)
     return threads
+
+
+def skip_deepspeed_shm_op() -> None:
+    """Keep DeepSpeed from JIT-compiling its shared-memory all-reduce (``deepspeed_shm_comm``) on CPU.
+
+    DeepSpeed's torch backend builds that C++ op when its process group starts (``build_shm_op`` in
+    deepspeed/comm/torch.py): 20-70 s on a machine's first launch, with a C++ compiler, under a build lock. Only
+    ``inference_all_reduce`` (DeepSpeed-Inference's tensor parallelism) calls it; training's collectives go
+    through the process group (gloo) either way. ``build_shm_op`` builds it only when
+    ``deepspeed.ops.__compatible_ops__`` lists it (a dict DeepSpeed keeps in the module so that edits to it last):
+    marked incompatible, nothing is built. On a GPU the op does not exist and this changes nothing.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def extension_build_root() -> Path:

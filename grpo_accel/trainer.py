@@ -8,7 +8,7 @@ One iteration (``_iteration``, in this order; the hook stages users register at 
       drop it if stale (async); old / reference logprobs (only when needed) ─► replay buffer
       [pre_optim]      num_epochs x micro-batches ─► GRPOLoss ─► stepper (backward / accumulate / clip / step)
                        async: push weights every weight_update_frequency optimizer steps; [post_optim_step]
-      sync: push weights (once per collected batch), then empty the buffer if asked; [post_optim]
+      sync: empty the buffer if asked, push weights (once per collected batch); [post_optim]
       rollout metrics + loss diagnostics; [log] ─► logger
       checkpoint every save_trainer_interval frames; [post_iteration] (evaluation, request_stop)
 """
@@ -169,9 +169,8 @@ class GRPOTrainer:
 
     def load_from_file(self, file: str | Path, **kwargs) -> "GRPOTrainer":
         """Load a checkpoint folder (resume) or a ``save_trainer_file`` torch payload (``weights_only=True``,
-        ``mmap=True``, ``map_location="cpu"`` by default, each overridable) into this trainer. ``strict=False``
-        tolerates a folder without this rank's trainer state, or a payload whose weights do not all fit.
-        Returns the trainer."""
+        ``mmap=True``, ``map_location="cpu"`` by default, each overridable) into this trainer; returns it.
+        ``strict=False`` tolerates a folder without this rank's trainer state or a payload whose weights don't fit."""
         path, strict = Path(file), kwargs.pop("strict", True)
         if path.is_dir():
             self._resume(path, strict=strict)
@@ -311,7 +310,11 @@ class GRPOTrainer:
         return dict(stats)
 
     def _update_weights(self) -> None:
-        """Push the weights to the engine (sync: once per collected batch), then empty the buffer if asked."""
+        """The trained weights become the next version (the buffer emptied if asked), pushed to the engine (sync:
+        once per batch); a failed push saves a checkpoint of that state (its resume pushes first) and raises."""
+        self.weight_version += 1
+        if self.empty_replay_buffer_on_weight_update:
+            self.replay_buffer.empty()
         with self.reporter.timed("weight_sync"):
             if self.weight_sync_sender is not None:
                 try:
@@ -319,9 +322,6 @@ class GRPOTrainer:
                 except Exception:
                     self.save_checkpoint("weight sync failed")  # the engines' weights are unknown: keep the run
                     raise
-            self.weight_version += 1
-        if self.empty_replay_buffer_on_weight_update:
-            self.replay_buffer.empty()
 
     # ------------------------------------------------------------------------------- saving and stopping
 

@@ -78,9 +78,11 @@ def _text(output: bytes | str | None) -> str:
     return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
-# test_distributed.py runs the README's training command of these configs as written (its arguments appended);
-# test_readme.py runs the README's other commands.
-README_RUNS_IN_TEST_DISTRIBUTED = ("single_process.yaml", "ddp.yaml", "zero1.yaml", "zero2.yaml", "zero3.yaml")
+# The README's training command of each of these configs runs as written (its arguments appended) in the test
+# module named; test_readme.py runs the README's other commands.
+README_RUNS_ELSEWHERE = {"ddp.yaml": "test_distributed.py", "zero1.yaml": "test_distributed.py",
+                         "zero2.yaml": "test_distributed.py", "zero3.yaml": "test_distributed.py",
+                         "zero3_offload.yaml": "test_distributed.py", "zero0.yaml": "test_episodes.py"}
 
 
 def readme_commands() -> list[str]:
@@ -94,12 +96,14 @@ def readme_commands() -> list[str]:
     return commands
 
 
-def launch_as_in_readme(config: str, script_args: list[str], *, timeout: float = 300) -> subprocess.CompletedProcess:
-    """The README's own command for training under ``accelerate_configs/<config>``, with ``script_args`` appended."""
+def launch_as_in_readme(config: str, script_args: list[str], *, timeout: float = 300,
+                        env: dict | None = None) -> subprocess.CompletedProcess:
+    """The README's own command for training under ``accelerate_configs/<config>``, with ``script_args`` appended
+    (and ``env`` added to the environment)."""
     command = f".venv/bin/accelerate launch --config_file accelerate_configs/{config} launch/train.py"
     assert command in readme_commands(), f"the README no longer has {command!r}"
     full = f"{command} {' '.join(shlex.quote(a) for a in script_args)}"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", **(env or {})}
     proc = run_in_group(["bash", "-c", full], cwd=ROOT, env=env, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{full}\nexit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"

@@ -34,9 +34,12 @@ Nothing here imports grpo_accel. Test control, outside the protocol: ``POST /_st
 "how"}`` makes the next calls of ``path`` fail, how = "success_false" (an update receives, then fails to load),
 "refuse" (an update is refused before it receives, as a closed session refuses it), "ignore" (an update is
 received and answered with success but not loaded: a broken server), "http_500", "abort" (a /generate's requests
-come back aborted) or "hang" (an /init_weights_update_group that never joins);
+come back aborted) or "hang" (an /init_weights_update_group that never joins, until a reset);
 ``GET /_standin/state`` returns the weight version, the number of loads, the requests seen and every parameter;
-``GET /_standin/digest`` a SHA-256 of every parameter (as float32 bytes).
+``GET /_standin/digest`` a SHA-256 of every parameter (as float32 bytes); ``POST /_standin/reset {"flags"}``
+makes it the server it was at start (weights, version, groups, session, failures, requests) as if started with
+``flags`` (--api-key, --admin-api-key, --deterministic, --dp-size, --pp-size, --startup-delay), so that tests
+can share one process; it refuses (409) while a request is in flight.
 """
 from __future__ import annotations
 
@@ -80,19 +83,31 @@ class Server:
 
         self.source, self.args = source, args
         self.model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+        self.initial_weights = {name: p.detach().clone() for name, p in self.model.named_parameters()}
         self.tokenizer = AutoTokenizer.from_pretrained(args.model)
         self.architecture = self.model.config.architectures[0]
         self.ready_at = time.monotonic() + args.startup_delay
-        self.weight_version, self.loads = "default", 0
-        self.paused, self.running = False, 0
         self.lock = threading.Condition()
         self.groups: dict[str, object] = {}
-        self.session_open = False
-        self.failures: dict[str, list[str]] = {}
-        self.requests: list[tuple[str, dict]] = []
+        self.in_flight = 0  # requests being answered, test control included
+        self.unhang = threading.Event()
+        self.reset()
         # The server's own default group (its tensor-parallel group; one rank here): SGLang's WeightUpdater
         # asserts it exists before joining a weight-update group.
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+    def reset(self) -> None:
+        """The state at start (test control: POST /_standin/reset); every weight-update group is destroyed."""
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(self.initial_weights[name])
+        for group in self.groups.values():
+            dist.destroy_process_group(group)
+        self.weight_version, self.loads = "default", 0
+        self.paused, self.running = False, 0
+        self.groups, self.session_open = {}, False
+        self.failures: dict[str, list[str]] = {}
+        self.requests: list[tuple[str, dict]] = []
 
     # -- generation ------------------------------------------------------------------------------------
 
@@ -330,6 +345,15 @@ def make_handler(server: Server):
             self.wfile.write(data)
 
         def _handle(self, method: str) -> None:
+            with server.lock:
+                server.in_flight += 1
+            try:
+                self._answer(method)
+            finally:
+                with server.lock:
+                    server.in_flight -= 1
+
+        def _answer(self, method: str) -> None:
             path = self.path.split("?")[0]
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length) if length else b""
@@ -413,8 +437,9 @@ def make_handler(server: Server):
                 return {"message": "Generation continued successfully.", "status": "ok"}
             if path == "/get_weights_by_name":
                 return s.weights_by_name(req)
-            if path == "/init_weights_update_group" and how == "hang":
-                time.sleep(3600)
+            if path == "/init_weights_update_group" and how == "hang":  # SGLang's join has no timeout
+                s.unhang.wait()  # set by a reset (test control)
+                raise HTTPError(503, {"error": "hung join ended by a reset"})
             answer = {
                 "/init_weights_update_group": lambda: s.init_group(req),
                 "/destroy_weights_update_group": lambda: s.destroy_group(req),
@@ -436,6 +461,20 @@ def make_handler(server: Server):
                 return {"weight_version": s.weight_version, "loads": s.loads, "session_open": s.session_open,
                         "groups": sorted(s.groups), "requests": s.requests,
                         "params": {n: p.tolist() for n, p in s.model.named_parameters()}}
+            if path == "/_standin/reset":
+                s.unhang.set()  # a hung join answers and ends
+                deadline = time.monotonic() + 5
+                while s.in_flight > 1 and time.monotonic() < deadline:  # this request is one
+                    time.sleep(0.05)
+                s.unhang.clear()
+                if s.in_flight > 1:
+                    raise HTTPError(409, {"error": "a request is in flight: restart the stand-in instead"})
+                s.reset()
+                a = s.args  # the flags a server of this model and release would have been started with
+                s.args = parse_args(["--port", str(a.port), "--model", a.model, "--sglang-version", a.sglang_version,
+                                     *body.get("flags", [])])
+                s.ready_at = time.monotonic() + s.args.startup_delay  # as if it had just started
+                return {"ok": True}
             if path == "/_standin/digest":  # for models too large to list
                 return {n: hashlib.sha256(p.detach().float().contiguous().numpy().tobytes()).hexdigest()
                         for n, p in s.model.named_parameters()}
@@ -450,7 +489,7 @@ def make_handler(server: Server):
     return Handler
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", required=True)
@@ -461,7 +500,11 @@ def main() -> None:
     parser.add_argument("--dp-size", type=int, default=1)
     parser.add_argument("--pp-size", type=int, default=1)
     parser.add_argument("--startup-delay", type=float, default=0.0)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(1)
     server = Server(SGLangSource(args.sglang_version), args)
     ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(server)).serve_forever()

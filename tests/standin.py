@@ -15,29 +15,69 @@ from sglang_source import source_dir
 NEWEST = "0.5.23"
 
 
-@contextlib.contextmanager
-def standin_server(model_dir, *extra: str, version: str = NEWEST):
-    source_dir(version)  # fetched once here, so that the server does not race to download it
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "sglang_standin.py"), "--port", str(port),
-                             "--model", str(model_dir), "--sglang-version", version, *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
+class StandIn:
+    """tests/sglang_standin.py started as a process on a free port; ``wait_healthy`` waits until it answers."""
+
+    def __init__(self, model_dir, *extra: str, version: str = NEWEST) -> None:
+        source_dir(version)  # fetched once here, so that the server does not race to download it
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "sglang_standin.py"), "--port", str(port),
+                                      "--model", str(model_dir), "--sglang-version", version, *extra],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def wait_healthy(self, timeout_s: float = 60) -> str:
+        deadline = time.monotonic() + timeout_s
         while True:
             try:
-                urllib.request.urlopen(url + "/health", timeout=5).read()
-                break
+                urllib.request.urlopen(self.url + "/health", timeout=5).read()
+                return self.url
             except (urllib.error.URLError, ConnectionError):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    proc.kill()
-                    raise AssertionError("stand-in did not start:\n" + proc.communicate()[0][-4000:])
-                time.sleep(0.2)
-        yield url
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise AssertionError("stand-in did not start:\n" + self.proc.communicate()[0][-4000:])
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@contextlib.contextmanager
+def standin_server(model_dir, *extra: str, version: str = NEWEST):
+    server = StandIn(model_dir, *extra, version=version)
+    try:
+        yield server.wait_healthy()
     finally:
-        proc.kill()
-        proc.wait()
+        server.stop()
+
+
+class SharedServers:
+    """Stand-ins shared by the tests of a module, one process per (model folder, release), started by ``start``
+    or at first use; each use resets it (``POST /_standin/reset``) to a fresh server started with the flags it
+    names. One that still has a request in flight (a test that failed midway) is restarted."""
+
+    def __init__(self) -> None:
+        self._servers: dict[tuple[str, str], StandIn] = {}
+
+    def start(self, model_dir, version: str = NEWEST) -> None:
+        if (str(model_dir), version) not in self._servers:
+            self._servers[str(model_dir), version] = StandIn(model_dir, version=version)
+
+    def get(self, model_dir, *flags: str, version: str = NEWEST) -> str:
+        self.start(model_dir, version)
+        url = self._servers[str(model_dir), version].wait_healthy()
+        try:
+            control(url, "/_standin/reset", {"flags": list(flags)})
+        except urllib.error.HTTPError:
+            self._servers.pop((str(model_dir), version)).stop()
+            return self.get(model_dir, *flags, version=version)
+        return url
+
+    def close(self) -> None:
+        for server in self._servers.values():
+            server.stop()
+        self._servers.clear()
 
 
 def control(url: str, path: str, body: dict | None = None):

@@ -1,11 +1,16 @@
-"""The benchmark runs and reports every number it promises (values are not judged here: it is not a test of speed)."""
+"""The benchmark runs and reports every number it promises (values are not judged here: it is not a test of speed).
+
+One-process runs call launch/bench.py's ``main`` in this process (a subprocess adds only ~4 s of imports); the
+multi-process run is a real ``accelerate launch``."""
 import json
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from launching import ROOT, launch
+from trainer_utils import reset_accelerate_state
 
 BENCH = str(ROOT / "launch" / "bench.py")
 SMALL = ["--size", "1m", "--steps", "2", "--warmup", "1", "--prompts", "2", "--group", "4", "--max-new-tokens", "8",
@@ -26,15 +31,25 @@ def check_result(result: dict, processes: int) -> None:
     assert all(mb > 0 for mb in result["peak_memory_mb_per_process"])
 
 
-def test_benchmark_reports_phases_mfu_overhead_and_speed_items(tmp_path):
-    out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, BENCH, *SMALL, "--items", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(out.read_text())
+def bench(monkeypatch, capsys, tmp_path, *args) -> tuple[dict, str]:
+    """launch/bench.py's ``main(args)`` in this process: its JSON result and what it printed."""
+    monkeypatch.syspath_prepend(str(ROOT / "launch"))  # the benchmark is a script beside launch/train.py
+    from bench import main
+
+    out, threads = tmp_path / "bench.json", torch.get_num_threads()
+    try:
+        assert main([*args, "--out", str(out)]) == 0
+    finally:  # the benchmark sets threads from the cores and builds an Accelerator, as a launched run does
+        torch.set_num_threads(threads)
+        reset_accelerate_state()
+    return json.loads(out.read_text()), capsys.readouterr().out
+
+
+def test_benchmark_reports_phases_mfu_overhead_and_speed_items(tmp_path, monkeypatch, capsys):
+    result, printed = bench(monkeypatch, capsys, tmp_path, *SMALL, "--items")
     check_result(result, processes=1)
     assert 1e6 < result["parameters"] < 2e6  # the 1m built-in size
-    assert "trainer overhead" in proc.stdout and "MFU train" in proc.stdout and "speed item" in proc.stdout
+    assert "trainer overhead" in printed and "MFU train" in printed and "speed item" in printed
     items = {it["name"]: it for it in result["items"]}
     assert set(items) == ITEMS and all(it["before"] > 0 and it["after"] > 0 for it in items.values())
     memory = items["chunked logprobs: peak memory"]  # memory, unlike time, is not noise: the copy must be gone
@@ -52,49 +67,40 @@ def model_folder(tmp_path_factory, tokenizer):
     return folder
 
 
-@pytest.mark.parametrize("config, stage", [("ddp.yaml", 0), ("zero3.yaml", 3)])
-def test_benchmark_runs_under_accelerate_launch(tmp_path, model_folder, config, stage):
+def test_benchmark_runs_under_accelerate_launch_with_zero3(tmp_path, model_folder):
+    """ZeRO-3 (what the multi-process numbers in the README are); DDP runs the same code with stage 0."""
     out = tmp_path / "bench.json"
-    proc = launch(config, [*SMALL, "--model", str(model_folder), "--packing", "--out", str(out)],
+    proc = launch("zero3.yaml", [*SMALL, "--model", str(model_folder), "--packing", "--out", str(out)],
                   script=(BENCH,))
     result = json.loads(out.read_text())
     check_result(result, processes=2)
-    assert result["zero_stage"] == stage and result["packing"] is True
+    assert result["zero_stage"] == 3 and result["packing"] is True
     assert proc.stdout.count("trainer overhead") == 1  # the main process reports
 
 
-def test_benchmark_takes_a_model_folder(tmp_path, model_folder):
+def test_benchmark_takes_a_model_folder(tmp_path, model_folder, monkeypatch, capsys):
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, BENCH, *SMALL, "--model", str(model_folder),
-                           "--decoder", "generate", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(out.read_text())
+    result, _ = bench(monkeypatch, capsys, tmp_path, *SMALL, "--model", str(model_folder), "--decoder", "generate")
     check_result(result, processes=1)
     assert result["size"] == str(model_folder)
     assert result["parameters"] == AutoModelForCausalLM.from_pretrained(model_folder).num_parameters()
 
 
-def test_loop_times_whole_iterations_of_each_variant(tmp_path):
-    out = tmp_path / "loop.json"
-    proc = subprocess.run([sys.executable, BENCH, "--size", "tiny", "--loop", "sync", "async",
-                           "async+worker", "--steps", "3", "--warmup", "1", "--prompts", "2", "--group", "2",
-                           "--max-new-tokens", "4", "--micro-batch", "4", "--kl-coef", "0.04", "--lr", "1e-4",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(out.read_text())
+def test_loop_times_whole_iterations_of_each_variant(tmp_path, monkeypatch, capsys):
+    result, printed = bench(monkeypatch, capsys, tmp_path, "--size", "tiny", "--loop", "sync", "async",
+                            "async+worker", "--steps", "3", "--warmup", "1", "--prompts", "2", "--group", "2",
+                            "--max-new-tokens", "4", "--micro-batch", "4", "--kl-coef", "0.04", "--lr", "1e-4")
     assert result["parameters"] == 82496 and result["kl_coef"] == 0.04  # the TRL comparison's Qwen2
     assert list(result["loop"]) == ["sync", "async", "async+worker"]
     for variant in result["loop"].values():
         assert variant["measured_steps"] == 3 and 0 < variant["generate_s"] and 0 < variant["step_s"]
         assert 1 <= variant["completion_tokens_mean"] <= 4
-    assert "async+worker" in proc.stdout and "steps/s" in proc.stdout
+    assert "async+worker" in printed and "steps/s" in printed
 
 
 def test_items_refuse_several_processes(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "launch"))  # the benchmark is a script beside launch/train.py
+    monkeypatch.syspath_prepend(str(ROOT / "launch"))
     from bench import main
 
     monkeypatch.setenv("WORLD_SIZE", "2")  # what accelerate launch sets in each of 2 processes

@@ -341,24 +341,24 @@ def test_launched_runs_train_on_episodes(tmp_path, short_turns, config, extra):
     """accelerate launch with 2 processes: episodes whose turn counts differ between the processes, collected
     asynchronously by the decode worker (ZeRO-0), and under ZeRO-3, where each turn is a collective, with packing
     and dynamic sampling; the episode metrics reach TensorBoard. (ZeRO-1/2 hold whole parameters for generation
-    as ZeRO-0 does; their training is test_distributed.py's.)"""
-    from launching import launch
+    as ZeRO-0 does; their training is test_distributed.py's.) ZeRO-0's run is the README's command, as written."""
+    from launching import README_RUNS_ELSEWHERE, launch, launch_as_in_readme
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS * 2))
     out = tmp_path / "run"
-    launch(config, [f"output_dir={out}", f"model.name_or_path={short_turns}", f"data.path={data}",
-                    "rollout.environment=tests.episode_env:Countdown", "rollout.max_turns=3",
-                    "rollout.max_new_tokens=6", "rollout.prompts_per_batch=4", "rollout.group_size=2",
-                    "trainer.total_frames=24", "trainer.progress_bar=false",
-                    "rewards=[{name: env_reward}]", *extra])
+    (launch_as_in_readme if README_RUNS_ELSEWHERE.get(config) == "test_episodes.py" else launch)(config, [
+        f"output_dir={out}", f"model.name_or_path={short_turns}", f"data.path={data}",
+        "rollout.environment=tests.episode_env:Countdown", "rollout.max_turns=3", "rollout.max_new_tokens=6",
+        "rollout.prompts_per_batch=4", "rollout.group_size=2", "trainer.total_frames=16", "trainer.progress_bar=false",
+        "rewards=[{name: env_reward}]", *extra])
     events = EventAccumulator(str(out / "tensorboard")).Reload()
     tags = events.Tags()["scalars"]
     for tag in ("turns_mean", "tool_calls_mean", "tool_error_rate", "tokens_mean", "model_token_fraction"):
         assert f"train/episode/{tag}" in tags
     turns = [e.value for e in events.Scalars("train/episode/turns_mean")]
-    assert len(turns) == 3 and all(1 < t <= 3 for t in turns)
+    assert len(turns) == 2 and all(1 < t <= 3 for t in turns)
     fraction = [e.value for e in events.Scalars("train/episode/model_token_fraction")]
     assert all(0 < f < 1 for f in fraction)
 
@@ -407,21 +407,22 @@ def test_reward_functions_that_need_episode_fields_need_an_environment(tok):
 
 
 def test_the_calculator_recipe_runs_on_the_real_model(tmp_path, smollm2):
-    """launch/configs/smollm2_calculator.yaml's path at a tiny scale: SmolLM2 from its folder, the calculator
-    task and tool environment, evaluation of held-out episodes before and after, episode metrics and the
-    engine/trainer logprob gap over episodes (prefix-shared later turns included)."""
+    """launch/configs/smollm2_calculator.yaml's path at a tiny scale, in this process: SmolLM2 from its folder,
+    the calculator task and tool environment, evaluation of held-out episodes before and after, episode metrics
+    and the engine/trainer logprob gap over episodes (prefix-shared later turns included)."""
     from grpo_accel.tracking import read_scalars
-    from launching import ROOT, launch
+    from launching import ROOT
+    from trainer_utils import train_in_process
 
     out = tmp_path / "run"
-    launch("single_process.yaml", [
+    train_in_process([
         "--config", str(ROOT / "launch" / "configs" / "smollm2_calculator.yaml"), f"output_dir={out}",
         f"model.name_or_path={smollm2}", "data.holdout=2", "rollout.prompts_per_batch=2", "rollout.group_size=2",
         "rollout.max_new_tokens=30", "rollout.max_turns=2", "trainer.total_frames=4", "eval.every_iterations=1",
         "eval.k=1", "trainer.progress_bar=false"])
     scalars = read_scalars(out / "tensorboard")
     assert [step for step, _ in scalars["eval/episode/tool_calls_mean"]] == [0, 1]
-    assert all(1 <= v <= 2 for _, v in scalars["train/episode/turns_mean"])
+    assert all(1 < v <= 2 for _, v in scalars["train/episode/turns_mean"])  # a tool call, then a later turn
     assert max(v for _, v in scalars["train/engine_logprob_abs_diff"]) < 1e-3
 
 

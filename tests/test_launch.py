@@ -6,16 +6,15 @@ import sys
 import pytest
 
 from launching import ROOT, launch, run_in_group
+from trainer_utils import train_in_process
 
 
 def test_embedded_default_learns_and_logs_to_tensorboard(tmp_path):
+    """The README's main run, full length, in this process (test_readme launches its command as written)."""
     out = tmp_path / "run"
-    launch("single_process.yaml", [f"output_dir={out}", "trainer.total_frames=25600", "trainer.progress_bar=false"])
+    train_in_process([f"output_dir={out}", "trainer.total_frames=25600", "trainer.progress_bar=false"])
     summary = json.loads((out / "summary.json").read_text())
     assert summary["iterations"] == 200
-    from grpo_accel.runtime import available_cores
-
-    assert summary["torch_threads"] == available_cores()  # not accelerate launch's OMP_NUM_THREADS=1
     assert summary["reward_last10_mean"] > summary["reward_first10_mean"] + 0.15, summary
     from grpo_accel.tracking import read_scalars
 
@@ -38,9 +37,9 @@ def test_embedded_default_learns_and_logs_to_tensorboard(tmp_path):
 
 
 def test_the_smollm2_recipe_runs_end_to_end_on_a_saved_chat_dataset(tmp_path, smollm2):
-    """The recipe's path at a tiny scale: the converted model from its folder, chat rows from a saved dataset
-    folder (columns renamed, a held-out split), the chat template with a system prompt, math_answer, evaluation
-    before, during and after training, completion samples and the engine/trainer logprob gap."""
+    """The recipe's path at a tiny scale (in this process): the converted model from its folder, chat rows from a
+    saved dataset folder (columns renamed, a held-out split), the chat template with a system prompt, math_answer,
+    evaluation before, during and after training, completion samples and the engine/trainer logprob gap."""
     import datasets
 
     from grpo_accel.tasks.chat_arithmetic import chat_arithmetic_rows
@@ -51,7 +50,7 @@ def test_the_smollm2_recipe_runs_end_to_end_on_a_saved_chat_dataset(tmp_path, sm
         [{"question": r["prompt"], "solution": r["answer"]} for r in rows])
     datasets.DatasetDict({"train": renamed(train), "test": renamed(held_out)}).save_to_disk(str(tmp_path / "data"))
     out = tmp_path / "run"
-    launch("single_process.yaml", [
+    train_in_process([
         "--config", str(ROOT / "launch" / "configs" / "smollm2_arithmetic.yaml"), f"output_dir={out}",
         f"model.name_or_path={smollm2}", f"data.path={tmp_path / 'data'}", "data.eval_split=test",
         "data.rename_columns={question: prompt, solution: answer}", "data.system_prompt=Be brief.",
@@ -92,25 +91,17 @@ def test_bad_input_is_a_named_error_before_anything_is_built(tmp_path, monkeypat
         assert str(empty) in str(err.value)  # the file is named
 
 
-def test_a_data_error_stops_a_launch_with_one_named_line(tmp_path):
-    proc = launch("single_process.yaml", [f"output_dir={tmp_path}", "rollout.max_prompt_tokens=2"], expect_ok=False,
-                  timeout=120)
-    assert proc.returncode != 0
-    said = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    message = "dataset row 0: column 'prompt' is 4 tokens, more than rollout.max_prompt_tokens=2"
-    assert len(said) == 1 and message in said[0], proc.stderr[-3000:]  # one line, not a traceback
-    assert 'launch/train.py", line' not in proc.stderr
-
-
 def test_an_error_of_ours_is_one_line_and_exit_code_2(tmp_path):
-    """Run directly, it is the last line; under a 2-process launch one process says it, before any process group
-    exists, and torch's launcher report names it instead of pointing at its docs. (A batch layout that does not
-    split: the layout's messages are tested in-process in test_config.py.)"""
-    bad = [f"output_dir={tmp_path}", "trainer.micro_batch_completions=24", "trainer.gradient_accumulation_steps=4"]
-    direct = run_in_group([sys.executable, str(ROOT / "launch" / "train.py"), *bad], timeout=120)
-    assert direct.returncode == 2
-    assert direct.stderr.splitlines()[-1].startswith(
-        "error: trainer.micro_batch_completions=24: 6 micro-batches per epoch (128 completions / 24)")
+    """Run directly (a data error), it is the last line; under a 2-process launch (a batch layout that does not
+    split) one process says it, before any process group exists, and torch's launcher report names it instead of
+    pointing at its docs. (The layout's messages are tested in-process in test_config.py.)"""
+    direct = run_in_group([sys.executable, str(ROOT / "launch" / "train.py"), f"output_dir={tmp_path}/direct",
+                           "rollout.max_prompt_tokens=2"], timeout=120)
+    assert direct.returncode == 2 and 'launch/train.py", line' not in direct.stderr  # not a traceback
+    assert direct.stderr.splitlines()[-1] == (
+        "error: dataset row 0: column 'prompt' is 4 tokens, more than rollout.max_prompt_tokens=2; raise "
+        "rollout.max_prompt_tokens or drop/shorten that prompt."), direct.stderr[-3000:]
+    bad = [f"output_dir={tmp_path}/ddp", "trainer.micro_batch_completions=24", "trainer.gradient_accumulation_steps=4"]
     proc = launch("ddp.yaml", bad, expect_ok=False, timeout=120)
     said = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(said) == 1 and "(64 completions / 24) is not a multiple of trainer.gradient_accumulation_steps=4" in said[0]
@@ -122,27 +113,17 @@ TINY_MODEL_CONFIGS = sorted(p.name for p in (ROOT / "launch" / "configs").glob("
 
 
 @pytest.mark.parametrize("config", TINY_MODEL_CONFIGS)  # the smollm2 recipe: test_the_smollm2_recipe_runs_end_to_end
-def test_every_experiment_config_runs(tmp_path, monkeypatch, config):
-    """Each shipped config trained by launch/train.py's ``run``, in this process (launching a single process adds
-    nothing the launched tests do not cover); the Accelerate state is reset after each."""
-    import time
-
-    from trainer_utils import reset_accelerate_state
-
-    from grpo_accel.config import load_config
-
-    monkeypatch.syspath_prepend(str(ROOT / "launch"))
-    from train import run
+def test_every_experiment_config_runs(tmp_path, config):
+    """Each shipped config trained by launch/train.py in this process (launching a single process adds nothing
+    the launched tests do not cover)."""
+    from trainer_utils import train_in_process
 
     out = tmp_path / "run"
-    cfg = load_config(ROOT / "launch" / "configs" / config,
-                      [f"output_dir={out}", "trainer.total_frames=512", "trainer.progress_bar=false", "eval.every_iterations=2"]
-                      + (["data.holdout=4"] if config != "dapo.yaml" else [])
-                      + (["rollout.embedded_worker=true"] if config == "async.yaml" else []))  # and the decode worker
-    try:
-        assert run(cfg, time.perf_counter()) == 0
-    finally:
-        reset_accelerate_state()
+    assert train_in_process([
+        "--config", str(ROOT / "launch" / "configs" / config), f"output_dir={out}", "trainer.total_frames=512",
+        "trainer.progress_bar=false", "eval.every_iterations=2",
+        *(["data.holdout=4"] if config != "dapo.yaml" else []),
+        *(["rollout.embedded_worker=true"] if config == "async.yaml" else [])]) == 0  # and the decode worker
     from grpo_accel.tracking import read_scalars
 
     scalars = read_scalars(out / "tensorboard")
@@ -180,7 +161,7 @@ def test_a_launch_that_times_out_is_killed_with_its_children(tmp_path):
     launcher = ("import subprocess, sys, time\n"  # the way torch's elastic agent starts a rank
                 f"subprocess.Popen([sys.executable, '-c', {rank!r}], start_new_session=True).wait()\n")
     with pytest.raises(subprocess.TimeoutExpired) as timeout:
-        run_in_group([sys.executable, "-c", launcher], timeout=5)
+        run_in_group([sys.executable, "-c", launcher], timeout=2)
     assert "waiting_for_a_peer_that_never_comes" in str(timeout.value)  # the rank's stack, in the error
     child = int(pid_file.read_text())
     deadline = time.monotonic() + 10
@@ -212,18 +193,22 @@ def test_model_folders_that_cannot_work_are_named_before_training(tmp_path, toke
 def test_a_reward_module_in_the_working_directory_needs_no_pythonpath(tmp_path):
     (tmp_path / "my_rewards.py").write_text("def always_one(prompts, completions, **fields):\n"
                                             "    return [1.0] * len(completions)\n")
-    out = tmp_path / "run"
-    proc = run_in_group([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                         str(ROOT / "accelerate_configs" / "single_process.yaml"), str(ROOT / "launch" / "train.py"),
-                         f"output_dir={out}", "trainer.total_frames=256", "trainer.progress_bar=false",
+    out = tmp_path / "run"  # launch/train.py puts the working directory on sys.path itself: run directly
+    proc = run_in_group([sys.executable, str(ROOT / "launch" / "train.py"), f"output_dir={out}",
+                         "trainer.total_frames=256", "trainer.progress_bar=false",
                          "rewards=[{name: 'my_rewards:always_one'}]"], cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert json.loads((out / "summary.json").read_text())["reward_last10_mean"] == 1.0
 
 
-def test_help_lists_every_key_with_its_default():
-    out = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), "--help"], capture_output=True,
-                         text=True, timeout=120, check=True).stdout
+def test_help_lists_every_key_with_its_default(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    from train import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
     for line in ("  output_dir=\"runs/default\"", "  overwrite=false", "  trainer.total_frames=128000",
                  "  trainer.micro_batch_completions=\"auto\"", "  weight_sync.timeout_s=600.0"):
         assert line in out.splitlines(), out[-3000:]

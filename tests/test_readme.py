@@ -2,14 +2,15 @@
 
 Commands that train get a temporary ``output_dir``, ``trainer.total_frames=256`` and no progress bar appended;
 nothing else is changed, so the README cannot drift from what works. The training commands of the configs in
-``launching.README_RUNS_IN_TEST_DISTRIBUTED`` run there, as written, in its 2-process comparisons.
+``launching.README_RUNS_ELSEWHERE`` run as written in the modules it names.
 """
+import json
 import os
 import re
 
 import pytest
 
-from launching import README_RUNS_IN_TEST_DISTRIBUTED, ROOT, readme_commands, run_in_group
+from launching import README_RUNS_ELSEWHERE, ROOT, readme_commands, run_in_group
 
 ELSEWHERE = {  # how a command starts -> why it does not run in this suite, and what covers it instead
     "bash launch/setup.sh && .venv/bin/python -m pytest": "the test suite itself (what .ci/run runs)",
@@ -46,9 +47,11 @@ def runnable() -> list[str]:
 
 
 def run_here() -> list[str]:
-    """The runnable commands test_distributed.py does not already run as written (launch_as_in_readme)."""
-    elsewhere = [f"--config_file accelerate_configs/{c} launch/train.py" for c in README_RUNS_IN_TEST_DISTRIBUTED]
-    return [c for c in runnable() if not (c.startswith(".venv/bin/accelerate") and c.endswith(tuple(elsewhere)))]
+    """The runnable commands no other module runs as written (launch_as_in_readme), nor
+    another command here as its last part (``bash launch/setup.sh && X`` runs X)."""
+    elsewhere = [f"--config_file accelerate_configs/{c} launch/train.py" for c in README_RUNS_ELSEWHERE]
+    here = [c for c in runnable() if not (c.startswith(".venv/bin/accelerate") and c.endswith(tuple(elsewhere)))]
+    return [c for c in here if not any(other.endswith(f" && {c}") for other in here)]
 
 
 def test_every_readme_command_runs_here_or_is_accounted_for():
@@ -67,4 +70,8 @@ def test_readme_training_command_runs_as_written(command, tmp_path):
                                        "trainer.progress_bar=false"],
                         cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=600)
     assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    assert (out / "summary.json").exists()
+    summary = json.loads((out / "summary.json").read_text())
+    from grpo_accel.runtime import available_cores
+
+    # the cores split over the processes, not accelerate launch's OMP_NUM_THREADS=1 (one core for one process)
+    assert summary["torch_threads"] == max(1, available_cores() // summary["num_processes"]), summary

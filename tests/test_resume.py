@@ -5,9 +5,10 @@ import shutil
 import pytest
 import torch
 
-from grpo_accel.checkpoint import Checkpoint
+from grpo_accel.checkpoint import Checkpoint, CheckpointError
 from grpo_accel.export import checkpoint_state_dict, policy_weights
-from launching import ROOT, launch
+from launching import launch
+from trainer_utils import train_in_process
 
 BASE = ["trainer.progress_bar=false", "trainer.micro_batch_completions=64", "checkpoint.interval_frames=null"]
 BATCH = 128  # frames per collected batch (16 prompts x 8)
@@ -48,34 +49,38 @@ def never(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, never):
-    """``straight(config)``: the output_dir of 6 batches run straight under ``config`` (made once, shared)."""
+    """``straight(config)``: the output_dir of 4 batches run straight under ``config``, with a checkpoint after
+    batch 2 and at the end (made once, shared)."""
     made = {}
 
     def get(config):
         if config not in made:
             made[config] = tmp_path_factory.mktemp("straight") / "run"
-            launch(config, [f"output_dir={made[config]}", f"trainer.total_frames={6 * BATCH}", *BASE, never])
+            launch(config, [f"output_dir={made[config]}", f"trainer.total_frames={4 * BATCH}", *BASE,
+                            f"checkpoint.interval_frames={2 * BATCH}", never])
         return made[config]
     return get
 
 
-def test_stop_and_resume_equals_a_straight_run(tmp_path, straight, never, config="zero3.yaml"):
-    """ZeRO-3 (parameters, gradients and optimizer state sharded); ZeRO-2's resume is the SIGTERM test's."""
-    straight, split = straight(config), tmp_path / "split"
-    launch(config, [f"output_dir={split}", f"trainer.total_frames={3 * BATCH}", *BASE, never])
-    proc = launch(config, [f"output_dir={split}", f"trainer.total_frames={6 * BATCH}", "checkpoint.resume=auto", *BASE,
-                           never])
-    assert "resumed from" in proc.stderr and "at iteration 3" in proc.stderr
-    assert f"total_frames: {6 * BATCH}" in (split / "config.yaml").read_text()  # written once the resume ran
-    assert curves(split) == curves(straight)  # steps 1-6, bitwise; steps 4-6 come from the resumed run
-    a, b = final_policy(straight), final_policy(split)
+def test_a_run_killed_after_a_checkpoint_resumes_to_the_straight_run(tmp_path, straight, never, config="zero3.yaml"):
+    """ZeRO-3 (parameters, gradients and optimizer state sharded; ZeRO-2's resume is the SIGTERM test's). The run
+    is the straight one killed after batch 4 before its final save (a lost node, SIGKILL): its folder holds the
+    checkpoint of batch 2 and TensorBoard points up to 4. The resume drops points 3-4 and logs them again."""
+    straight, killed = straight(config), tmp_path / "killed"
+    shutil.copytree(straight, killed)
+    shutil.rmtree(killed / "checkpoints" / "step_00000004")
+    proc = launch(config, [f"output_dir={killed}", f"trainer.total_frames={4 * BATCH}", "checkpoint.resume=auto",
+                           *BASE, f"checkpoint.interval_frames={2 * BATCH}", never])
+    assert "resumed from" in proc.stderr and "at iteration 2" in proc.stderr
+    assert curves(killed) == curves(straight)  # steps 1-4, bitwise, once each; steps 3-4 from the resumed run
+    a, b = final_policy(straight), final_policy(killed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_sigterm_on_one_rank_checkpoints_every_rank_and_exits_zero(tmp_path, straight):
     run = tmp_path / "run"
     rewards = signal_rewards(tmp_path / "fired")
-    proc = launch("zero2.yaml", [f"output_dir={run}", f"trainer.total_frames={6 * BATCH}", *BASE, rewards])
+    proc = launch("zero2.yaml", [f"output_dir={run}", f"trainer.total_frames={8 * BATCH}", *BASE, rewards])
     assert proc.returncode == 0 and (tmp_path / "fired").exists()
     summary = json.loads((run / "summary.json").read_text())
     assert summary["final_iteration"] == 3 and "another process requested a stop" in summary["stop_reason"]
@@ -86,71 +91,73 @@ def test_sigterm_on_one_rank_checkpoints_every_rank_and_exits_zero(tmp_path, str
         "command with checkpoint.resume=auto")
     assert json.loads((last / "metadata.json").read_text())["reason"] == "another process requested a stop"
     assert (last / "trainer_state_rank0.pt").is_file() and (last / "trainer_state_rank1.pt").is_file()
-    launch("zero2.yaml", [f"output_dir={run}", f"trainer.total_frames={6 * BATCH}", *BASE, rewards,
-                          "checkpoint.resume=auto"])
-    assert curves(run) == curves(straight("zero2.yaml"))  # steps 1-6, bitwise; 4-6 from the resumed run
+    launch("zero2.yaml", [f"output_dir={run}", f"trainer.total_frames={4 * BATCH}", *BASE, rewards,
+                          "checkpoint.resume=auto"])  # total_frames may change at a resume (8 -> 4 batches)
+    assert f"total_frames: {4 * BATCH}" in (run / "config.yaml").read_text()  # written once the resume ran
+    assert curves(run) == curves(straight("zero2.yaml"))  # steps 1-4, bitwise; 4 from the resumed run
     a, b = final_policy(straight("zero2.yaml")), final_policy(run)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_second_signal_exits_at_once_and_keeps_earlier_checkpoints(tmp_path):
+    """Two SIGTERMs on rank 1 during batch 3 of a run that checkpoints every batch: no checkpoint of batch 3
+    (complete or staged), those of batches 1 and 2 whole."""
     run = tmp_path / "run"
-    base = [f"output_dir={run}", *BASE]
-    rewards = signal_rewards(tmp_path / "f1", signals=2)  # fires on the 3rd batch of a process: not in run 1
-    launch("zero2.yaml", [*base, f"trainer.total_frames={2 * BATCH}", rewards])
-    before = contents(run / "checkpoints")
-    proc = launch("zero2.yaml", [*base, f"trainer.total_frames={6 * BATCH}", "checkpoint.resume=auto", rewards],
+    proc = launch("zero2.yaml", [f"output_dir={run}", *BASE, f"trainer.total_frames={4 * BATCH}",
+                                 f"checkpoint.interval_frames={BATCH}", signal_rewards(tmp_path / "fired", signals=2)],
                   expect_ok=False)
     assert proc.returncode != 0 and "second SIGTERM: exiting without a checkpoint" in proc.stderr
-    assert contents(run / "checkpoints") == before  # nothing new, nothing lost
+    saved = Checkpoint(run / "checkpoints").complete()
+    assert [p.name for p in saved] == ["step_00000001", "step_00000002"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]
+    for path in saved:  # every file its manifest lists, whole
+        Checkpoint.verify(path, num_processes=2, zero_stage=2, signature=Checkpoint.read_metadata(path)["signature"])
 
 
 def test_resume_with_another_process_count_says_how(tmp_path, straight, never):
+    """A 2-process ZeRO-2 checkpoint resumed by one process (in-process: the check is the run's own)."""
     run = tmp_path / "run"
     shutil.copytree(straight("zero2.yaml"), run)
     before = contents(run)
-    proc = launch("zero2.yaml", [f"output_dir={run}", f"trainer.total_frames={8 * BATCH}", *BASE, never,
-                                 "checkpoint.resume=auto"], launcher_args=["--num_processes", "1"], expect_ok=False)
-    assert "was written by 2 processes, this run has 1" in proc.stderr and "grpo_accel.export" in proc.stderr
+    with pytest.raises(CheckpointError, match="was written by 2 processes, this run has 1") as err:
+        train_in_process([f"output_dir={run}", f"trainer.total_frames={8 * BATCH}", *BASE, never,
+                                       "checkpoint.resume=auto"])
+    assert "grpo_accel.export" in str(err.value)
     assert contents(run) == before
 
 
-def test_resume_with_other_settings_names_them(tmp_path, straight, never, monkeypatch):
-    """launch/train.py's start point, in-process: refused before anything is built, the run folder untouched."""
-    monkeypatch.syspath_prepend(str(ROOT / "launch"))
-    from train import build_trainer
-
-    from grpo_accel.config import ConfigError, load_config
+def test_resume_with_other_settings_names_them(tmp_path, straight, never):
+    """launch/train.py's start point: refused before anything is built, the run folder untouched."""
+    from grpo_accel.config import ConfigError
 
     run = tmp_path / "run"
     shutil.copytree(straight("zero2.yaml"), run)
     before = contents(run)
     with pytest.raises(ConfigError, match="was trained with other settings") as err:
-        build_trainer(load_config(None, [f"output_dir={run}", f"trainer.total_frames={8 * BATCH}", *BASE, never,
-                                         "checkpoint.resume=auto", "rollout.group_size=4", "model.hidden_size=32"]))
+        train_in_process([f"output_dir={run}", f"trainer.total_frames={8 * BATCH}", *BASE, never,
+                                       "checkpoint.resume=auto", "rollout.group_size=4", "model.hidden_size=32"])
     assert "model.hidden_size: 64 -> 32" in str(err.value) and "rollout.group_size: 8 -> 4" in str(err.value)
     assert contents(run) == before
 
 
-def test_a_fresh_run_never_lands_on_another_runs_outputs(tmp_path, monkeypatch):
+def test_a_fresh_run_never_lands_on_another_runs_outputs(tmp_path, caplog):
     """Reusing an output_dir used to rotate out the earlier run's checkpoints (and its own), mix TensorBoard
-    files and feed resume=auto; and two live runs could write one folder."""
+    files and feed resume=auto; and two live runs could write one folder. (launch/train.py in-process: the
+    folder rules are decided before anything is built.)"""
     import os
     import signal
     import subprocess
     import sys
 
-    from grpo_accel.config import ConfigError, load_config
+    from grpo_accel.config import ConfigError
+    from grpo_accel.run_folder import RunFolderBusy
     from grpo_accel.tracking import read_scalars
 
     run = tmp_path / "run"
-    launch("single_process.yaml", [f"output_dir={run}", f"trainer.total_frames={2 * BATCH}", *BASE])
+    train_in_process([f"output_dir={run}", f"trainer.total_frames={2 * BATCH}", *BASE])
     before = contents(run)
-    monkeypatch.syspath_prepend(str(ROOT / "launch"))
-    from train import build_trainer  # the fresh run's refusal, in-process: decided before anything is built
-
     with pytest.raises(ConfigError, match="holds an earlier run's checkpoints, tensorboard, summary.json") as err:
-        build_trainer(load_config(None, [f"output_dir={run}", f"trainer.total_frames={BATCH}", *BASE]))
+        train_in_process([f"output_dir={run}", f"trainer.total_frames={BATCH}", *BASE])
     assert "checkpoint.resume=auto continues that run" in str(err.value) and "overwrite=true" in str(err.value)
     assert contents(run) == before
 
@@ -159,18 +166,19 @@ def test_a_fresh_run_never_lands_on_another_runs_outputs(tmp_path, monkeypatch):
                               stdout=subprocess.PIPE, text=True)
     holder.stdout.readline()
     try:
-        proc = launch("single_process.yaml", [f"output_dir={run}", f"trainer.total_frames={3 * BATCH}", *BASE,
-                                              "checkpoint.resume=auto"], expect_ok=False)
-        assert f"is in use by pid {holder.pid} on" in proc.stderr
+        with pytest.raises(RunFolderBusy, match=f"is in use by pid {holder.pid} on"):
+            train_in_process([f"output_dir={run}", f"trainer.total_frames={3 * BATCH}", *BASE,
+                                           "checkpoint.resume=auto"])
         assert {k: v for k, v in contents(run).items() if k != ".grpo_accel.lock"} == before
     finally:
         os.kill(holder.pid, signal.SIGKILL)  # leaves its lock behind, as a killed run does
         holder.wait()
 
-    proc = launch("single_process.yaml", [f"output_dir={run}", "trainer.total_frames=10", *BASE, "overwrite=true"])
-    assert "trainer.total_frames=10 is rounded up to 128: batches are collected whole" in proc.stderr
-    assert f"taking over the lock of pid {holder.pid}" in proc.stderr
-    assert "deleted an earlier run's checkpoints, tensorboard, summary.json" in proc.stderr
+    with caplog.at_level("INFO"):
+        train_in_process([f"output_dir={run}", "trainer.total_frames=10", *BASE, "overwrite=true"])
+    assert "trainer.total_frames=10 is rounded up to 128: batches are collected whole" in caplog.text
+    assert f"taking over the lock of pid {holder.pid}" in caplog.text
+    assert "deleted an earlier run's checkpoints, tensorboard, summary.json" in caplog.text
     assert [p.name for p in Checkpoint(run / "checkpoints").complete()] == ["step_00000001"]
     assert len(read_scalars(run / "tensorboard")["train/loss"]) == 1  # the new run's events only
     assert not (run / ".grpo_accel.lock").exists()
@@ -182,7 +190,7 @@ def test_zero3_export_matches_the_single_process_model(tmp_path, straight, never
     from grpo_accel.export import export_checkpoint
 
     single, z3 = tmp_path / "single", straight("zero3.yaml")
-    launch("single_process.yaml", [f"output_dir={single}", f"trainer.total_frames={6 * BATCH}", *BASE, never,
+    train_in_process([f"output_dir={single}", f"trainer.total_frames={4 * BATCH}", *BASE, never,
                                    "trainer.micro_batch_completions=128"])  # the same global batch as 2 x 64
     exported = [AutoModelForCausalLM.from_pretrained(export_checkpoint(
         Checkpoint(run / "checkpoints").complete()[-1], tmp_path / f"hf_{run.name}")) for run in (single, z3)]
@@ -208,9 +216,9 @@ def test_ctrl_c_saves_and_ends_with_the_resume_line(tmp_path):
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                           cwd=ROOT) as proc:
         deadline = time.monotonic() + 120
-        while not (run / "tensorboard").is_dir() and time.monotonic() < deadline:  # training has started
-            time.sleep(0.5)
-        time.sleep(2)
+        while not (run / "tensorboard").is_dir() and time.monotonic() < deadline:  # iteration 1 has been logged
+            time.sleep(0.2)
+        time.sleep(0.5)
         os.killpg(proc.pid, signal.SIGINT)
         try:
             out, err = proc.communicate(timeout=120)
@@ -264,9 +272,9 @@ def test_ctrl_c_in_a_terminal_ends_with_the_resume_line_and_no_traceback(tmp_pat
     reader.start()
     try:
         deadline = time.monotonic() + 120
-        while not (run / "tensorboard").is_dir() and time.monotonic() < deadline:  # training has started
-            time.sleep(0.5)
-        time.sleep(2)
+        while not (run / "tensorboard").is_dir() and time.monotonic() < deadline:  # iteration 1 has been logged
+            time.sleep(0.2)
+        time.sleep(0.5)
         os.write(master, b"\x03")  # ^C, as typed
         assert proc.wait(timeout=120) == 0
     finally:

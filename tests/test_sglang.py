@@ -5,7 +5,6 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,8 +15,8 @@ from grpo_accel.logprobs import sequence_logprobs
 from grpo_accel.rollout.sglang import SGLangEngine
 from launching import ROOT, free_port, launch
 from sglang_source import VERSIONS
-from standin import NEWEST, control, fail_next, server_state, standin_server
-from trainer_utils import reset_accelerate_state
+from standin import NEWEST, SharedServers, control, fail_next, server_state
+from trainer_utils import reset_accelerate_state, train_in_process
 
 
 def save_model(path, model, tokenizer):
@@ -47,9 +46,25 @@ def qwen_dir(tmp_path_factory, tokenizer):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
-    with standin_server(model_dir, "--deterministic") as url:
-        yield url
+def servers(model_dir):
+    """The stand-ins this module's tests share: one process per model and release (a start costs ~3 s)."""
+    shared = SharedServers()
+    for version in VERSIONS:
+        shared.start(model_dir, version)  # both at once: their start-ups overlap
+    yield shared
+    shared.close()
+
+
+@pytest.fixture
+def fresh_server(servers, model_dir):
+    """``fresh_server(version)``: the URL of this module's stand-in of that release, serving the tiny Llama with
+    --deterministic, reset to its state at start (a start costs ~3 s; a reset nothing)."""
+    return lambda version=NEWEST: servers.get(model_dir, "--deterministic", version=version)
+
+
+@pytest.fixture
+def server(fresh_server):
+    return fresh_server()
 
 
 # ------------------------------------------------------------------------------------------- rollouts
@@ -75,10 +90,9 @@ def test_rollouts_carry_engine_logprobs_equal_to_the_trainer_forward(server, tok
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_a_server_without_deterministic_inference_is_named_once(model_dir, tokenizer, caplog, version):
-    with standin_server(model_dir, version=version) as url:
-        engine = SGLangEngine([url], tokenizer, max_new_tokens=3)
-        assert engine.generate([[7, 14, 8]], 2, seeds=[0]).shape == (2,)
+def test_a_server_without_deterministic_inference_is_named_once(model_dir, servers, tokenizer, caplog, version):
+    engine = SGLangEngine([servers.get(model_dir, version=version)], tokenizer, max_new_tokens=3)
+    assert engine.generate([[7, 14, 8]], 2, seeds=[0]).shape == (2,)
     assert caplog.text.count("sampling_seed is ignored by") == 1
     assert "--enable-deterministic-inference" in caplog.text
 
@@ -108,14 +122,15 @@ def test_transient_failures_are_retried_and_aborts_too(server, tokenizer):
         engine.generate([[7]], 2)
 
 
-def test_keys_health_wait_and_unreachable_servers(model_dir, tokenizer):
-    with standin_server(model_dir, "--api-key", "s3cret", "--startup-delay", "1.5") as url:
-        engine = SGLangEngine([url], tokenizer, max_new_tokens=2, api_key="s3cret", health_timeout_s=30)
-        assert engine.generate([[7, 14]], 2).shape == (2,)
-        # /health needs no key in SGLang: a wrong key is caught at /server_info, before the first batch
-        with pytest.raises(ServerError, match=r"/server_info -> HTTP 401: Unauthorized; the server wants another "
-                                              r"key: set rollout.api_key"):
-            SGLangEngine([url], tokenizer, max_new_tokens=2, api_key="wrong")
+def test_keys_health_wait_and_unreachable_servers(model_dir, servers, tokenizer):
+    url = servers.get(model_dir, "--api-key", "s3cret", "--startup-delay", "1.5")  # answers 503 for 1.5 s
+    engine = SGLangEngine([url], tokenizer, max_new_tokens=2, api_key="s3cret", health_timeout_s=30)
+    assert engine.generate([[7, 14]], 2).shape == (2,)
+    assert sum(path == "/health" for path, _ in server_state(url)["requests"]) > 1, "it waited for the server"
+    # /health needs no key in SGLang: a wrong key is caught at /server_info, before the first batch
+    with pytest.raises(ServerError, match=r"/server_info -> HTTP 401: Unauthorized; the server wants another "
+                                          r"key: set rollout.api_key"):
+        SGLangEngine([url], tokenizer, max_new_tokens=2, api_key="wrong")
     with pytest.raises(ServerError, match=r"was not healthy after 1 s.*rollout.urls"):
         SGLangEngine([f"http://127.0.0.1:{free_port()}"], tokenizer, max_new_tokens=2, health_timeout_s=1)
 
@@ -166,30 +181,30 @@ def distributed_sender(accelerator, model, url, **kw):
 
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("layout", ["per_tensor", "flattened_bucket"])
-def test_a_refused_update_gets_a_new_group_and_everything_is_pushed_again(accelerator, model_dir, tokenizer,
+def test_a_refused_update_gets_a_new_group_and_everything_is_pushed_again(accelerator, model_dir, fresh_server,
                                                                           version, layout, caplog):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    with standin_server(model_dir, version=version) as url:
-        sender = distributed_sender(accelerator, model, url, layout=layout)
-        first_group = server_state(url)["groups"]
-        sender.update_weights()
-        assert_server_holds(url, model)
-        trained(model)
-        fail_next(url, "/update_weights_from_distributed", "refuse")  # refused before it received anything
-        sender.update_weights()
-        state = server_state(url)
-        assert "pushing everything again" in caplog.text
-        assert state["weight_version"] == "2" and not state["session_open"]
-        assert state["groups"] != first_group and len(state["groups"]) == 1, "the group was made again"
-        assert_server_holds(url, model)
-        trained(model)
-        fail_next(url, "/update_weights_from_distributed", "success_false")  # received, then failed to load
-        sender.update_weights()
-        assert_server_holds(url, model)
-        sender.close()
-        state = server_state(url)
+    url = fresh_server(version)
+    sender = distributed_sender(accelerator, model, url, layout=layout)
+    first_group = server_state(url)["groups"]
+    sender.update_weights()
+    assert_server_holds(url, model)
+    trained(model)
+    fail_next(url, "/update_weights_from_distributed", "refuse")  # refused before it received anything
+    sender.update_weights()
+    state = server_state(url)
+    assert "pushing everything again" in caplog.text
+    assert state["weight_version"] == "2" and not state["session_open"]
+    assert state["groups"] != first_group and len(state["groups"]) == 1, "the group was made again"
+    assert_server_holds(url, model)
+    trained(model)
+    fail_next(url, "/update_weights_from_distributed", "success_false")  # received, then failed to load
+    sender.update_weights()
+    assert_server_holds(url, model)
+    sender.close()
+    state = server_state(url)
     assert state["groups"] == [] and state["weight_version"] == "3"
     paths = [p for p, _ in state["requests"]]
     assert ("/begin_weight_update" in paths) == (version == NEWEST) and "/get_server_info" not in paths
@@ -197,7 +212,7 @@ def test_a_refused_update_gets_a_new_group_and_everything_is_pushed_again(accele
     assert paths.count("/get_weights_by_name") == 1 + 6, "asked once if it works, then 2 parameters after 3 pushes"
 
 
-def test_verification_catches_a_server_that_did_not_load(accelerator, model_dir, qwen_dir, caplog):
+def test_verification_catches_a_server_that_did_not_load(accelerator, model_dir, qwen_dir, servers, caplog):
     """A server that answers success without holding the pushed weights: by /get_weights_by_name (Llama), and
     by the probe logprobs for a model that does not implement it (Qwen2), said once."""
     from transformers import AutoModelForCausalLM
@@ -206,29 +221,27 @@ def test_verification_catches_a_server_that_did_not_load(accelerator, model_dir,
 
     for folder, expected in ((model_dir, "differs from the trainer's"), (qwen_dir, "probe logprobs differ")):
         model = AutoModelForCausalLM.from_pretrained(folder)
-        with standin_server(folder) as url:
-            sender = distributed_sender(accelerator, model, url)
+        url = servers.get(folder, "--deterministic")
+        sender = distributed_sender(accelerator, model, url)
+        sender.update_weights()
+        trained(model, 0.05)
+        sender.update_weights()
+        assert_server_holds(url, model)
+        trained(model, 0.05)
+        fail_next(url, "/update_weights_from_distributed", "ignore", times=100)
+        with pytest.raises(WeightSyncError, match=expected):
             sender.update_weights()
-            trained(model, 0.05)
-            sender.update_weights()
-            assert_server_holds(url, model)
-            trained(model, 0.05)
-            fail_next(url, "/update_weights_from_distributed", "ignore", times=100)
-            with pytest.raises(WeightSyncError, match=expected):
-                sender.update_weights()
-            sender.close()
+        sender.close()
     assert caplog.text.count("does not implement /get_weights_by_name") == 1
 
 
-def test_the_group_join_failure_names_the_store_and_the_servers(accelerator, model_dir):
+def test_the_group_join_failure_names_the_store_and_the_servers(accelerator, model_dir, servers):
     from grpo_accel.weight_sync.sglang import WeightSyncError
 
-    model = torch.nn.Linear(2, 2)
-    with standin_server(model_dir) as url:
-        fail_next(url, "/init_weights_update_group", "hang")
-        port = free_port()
-        with pytest.raises(WeightSyncError) as info:
-            distributed_sender(accelerator, model, url, master_port=port, timeout_s=3)
+    url, port = servers.get(model_dir), free_port()  # the hung join stays in flight: a later use restarts it
+    fail_next(url, "/init_weights_update_group", "hang")
+    with pytest.raises(WeightSyncError) as info:
+        distributed_sender(accelerator, torch.nn.Linear(2, 2), url, master_port=port, timeout_s=3)
     message = str(info.value)
     assert "the weight-update group 'weight_update_group-" in message and "did not form within 3 s" in message
     assert f"TCP store 127.0.0.1:{port}, keys under 'weight_update_group-" in message
@@ -236,51 +249,52 @@ def test_the_group_join_failure_names_the_store_and_the_servers(accelerator, mod
 
 
 @pytest.mark.parametrize("flag", ["--dp-size", "--pp-size"])
-def test_servers_whose_updates_sglang_refuses_are_refused_before_any_push(accelerator, model_dir, flag):
-    with standin_server(model_dir, flag, "2") as url:
-        with pytest.raises(RuntimeError, match=f"runs with {flag} 2"):
-            distributed_sender(accelerator, torch.nn.Linear(2, 2), url)
-        assert "/init_weights_update_group" not in [p for p, _ in server_state(url)["requests"]]
+def test_servers_whose_updates_sglang_refuses_are_refused_before_any_push(accelerator, model_dir, servers, flag):
+    url = servers.get(model_dir, flag, "2")
+    with pytest.raises(RuntimeError, match=f"runs with {flag} 2"):
+        distributed_sender(accelerator, torch.nn.Linear(2, 2), url)
+    assert "/init_weights_update_group" not in [p for p, _ in server_state(url)["requests"]]
 
 
-def test_admin_key_for_weight_endpoints(accelerator, model_dir):
+def test_admin_key_for_weight_endpoints(accelerator, model_dir, servers):
     """SGLang's auth levels: with --admin-api-key set, weight endpoints refuse the --api-key."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    with standin_server(model_dir, "--api-key", "user", "--admin-api-key", "admin") as url:
-        with pytest.raises(ServerError, match=r"HTTP 401.*set weight_sync.admin_api_key"):
-            distributed_sender(accelerator, model, url, api_key="user")
-        sender = distributed_sender(accelerator, model, url, api_key="user", admin_api_key="admin")
-        sender.update_weights()
-        assert_server_holds(url, model)
-        sender.close()
+    url = servers.get(model_dir, "--api-key", "user", "--admin-api-key", "admin")
+    with pytest.raises(ServerError, match=r"HTTP 401.*set weight_sync.admin_api_key"):
+        # the trainer's side of the refused join waits out timeout_s in a thread: 3 s, not a pending wait at exit
+        distributed_sender(accelerator, model, url, api_key="user", timeout_s=3)
+    sender = distributed_sender(accelerator, model, url, api_key="user", admin_api_key="admin")
+    sender.update_weights()
+    assert_server_holds(url, model)
+    sender.close()
 
 
-def test_two_servers_get_consecutive_ranks(accelerator, model_dir):
+def test_two_servers_get_consecutive_ranks(accelerator, model_dir, fresh_server):
     from transformers import AutoModelForCausalLM
 
     model = trained(AutoModelForCausalLM.from_pretrained(model_dir))
-    with standin_server(model_dir) as a, standin_server(model_dir, version=VERSIONS[0]) as b:
-        sender = distributed_sender(accelerator, model, [a, b], layout="flattened_bucket")
-        sender.update_weights()
-        for url, rank in ((a, 1), (b, 2)):
-            assert_server_holds(url, model)
-            init = next(body for path, body in server_state(url)["requests"] if path == "/init_weights_update_group")
-            assert (init["rank_offset"], init["world_size"]) == (rank, 3)
-        sender.close()
+    a, b = fresh_server(), fresh_server(VERSIONS[0])
+    sender = distributed_sender(accelerator, model, [a, b], layout="flattened_bucket")
+    sender.update_weights()
+    for url, rank in ((a, 1), (b, 2)):
+        assert_server_holds(url, model)
+        init = next(body for path, body in server_state(url)["requests"] if path == "/init_weights_update_group")
+        assert (init["rank_offset"], init["world_size"]) == (rank, 3)
+    sender.close()
 
 
-def test_a_real_pretrained_llama_round_trips_in_bfloat16(accelerator, smollm2, tmp_path):
+def test_a_real_pretrained_llama_round_trips_in_bfloat16(accelerator, smollm2, servers):
     """SmolLM2-135M-Instruct (tied embeddings, grouped-query attention) pushed in bfloat16, as a GPU run would."""
     from transformers import AutoModelForCausalLM
 
     model = trained(AutoModelForCausalLM.from_pretrained(smollm2), 1e-3)
-    with standin_server(smollm2) as url:
-        sender = distributed_sender(accelerator, model, url, dtype=torch.bfloat16, bucket_mb=64)
-        sender.update_weights()
-        digest = control(url, "/_standin/digest")
-        sender.close()
+    url = servers.get(smollm2)
+    sender = distributed_sender(accelerator, model, url, dtype=torch.bfloat16, bucket_mb=64)
+    sender.update_weights()
+    digest = control(url, "/_standin/digest")
+    sender.close()
     expected = {n: hashlib.sha256(p.detach().to(torch.bfloat16).float().numpy().tobytes()).hexdigest()
                 for n, p in model.named_parameters()}
     assert digest == expected  # the server holds the bfloat16 of every trained weight
@@ -300,14 +314,12 @@ def test_tensor_path_needs_sglang_and_a_gpu(tokenizer):
 # ------------------------------------------------------------------- GRPO runs that sync weights to it
 
 
-def sglang_run(tmp_path, url, model_dir, config="zero3.yaml", *extra, expect_ok=True):
-    out = tmp_path / "run"
-    proc = launch(config, [f"output_dir={out}", f"model.name_or_path={model_dir}", "rollout.backend=sglang",
-                           f"rollout.urls=[{url}]", "weight_sync.backend=gloo", f"weight_sync.master_port={free_port()}",
-                           "weight_sync.dtype=float32", "weight_sync.bucket_mb=0.05", "trainer.total_frames=384",
-                           "trainer.micro_batch_completions=64", "trainer.progress_bar=false",
-                           "checkpoint.interval_frames=null", *extra], expect_ok=expect_ok)
-    return out, proc
+def sglang_args(out, url, model_dir, *extra) -> list[str]:
+    """launch/train.py's arguments for a small run that samples from the stand-in at ``url`` and syncs to it."""
+    return [f"output_dir={out}", f"model.name_or_path={model_dir}", "rollout.backend=sglang", f"rollout.urls=[{url}]",
+            "weight_sync.backend=gloo", f"weight_sync.master_port={free_port()}", "weight_sync.dtype=float32",
+            "weight_sync.bucket_mb=0.05", "trainer.total_frames=384", "trainer.micro_batch_completions=64",
+            "trainer.progress_bar=false", "checkpoint.interval_frames=null", *extra]
 
 
 def final_policy(out):
@@ -327,21 +339,25 @@ def assert_server_holds_checkpoint(url, out):
 
 @pytest.mark.parametrize("version, layout, lora", [(NEWEST, "per_tensor", ()),
                                                    (VERSIONS[0], "flattened_bucket", ("model.lora.r=4",))])
-def test_zero3_grpo_run_keeps_the_server_weights_equal_to_the_trainer(tmp_path, model_dir, version, layout, lora):
+def test_zero3_grpo_run_keeps_the_server_weights_equal_to_the_trainer(tmp_path, model_dir, fresh_server, version,
+                                                                      layout, lora, monkeypatch, capsys):
     """Both layouts, with (0.5.23) and without (0.5.9) the update session, each through a refused update; the
     other two pairings run in-process above. The LoRA run pushes base + alpha/r * B A under the base names."""
-    with standin_server(model_dir, version=version) as url:
-        fail_next(url, "/update_weights_from_distributed", "refuse")
-        out, proc = sglang_run(tmp_path, url, model_dir, "zero3.yaml", f"weight_sync.layout={layout}", *lora)
-        state = server_state(url)
-        assert_server_holds_checkpoint(url, out)
-        check = subprocess.run([sys.executable, str(ROOT / "launch" / "check_sglang.py"), "--url", url, "--run",
-                                str(out)], capture_output=True, text=True, timeout=300)
+    url, out = fresh_server(version), tmp_path / "run"
+    fail_next(url, "/update_weights_from_distributed", "refuse")
+    proc = launch("zero3.yaml", sglang_args(out, url, model_dir, f"weight_sync.layout={layout}", *lora))
+    state = server_state(url)
+    assert_server_holds_checkpoint(url, out)
+    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    from check_sglang import main as check_sglang  # launch/gpu_check.sh's verdicts, here on the stand-in
+
+    capsys.readouterr()
+    assert check_sglang(["--url", url, "--run", str(out)]) == 0
+    verdicts = capsys.readouterr().out
     assert "pushing everything again" in proc.stderr
     assert state["weight_version"] == "3" and state["loads"] > 3 and state["groups"] == []
-    assert check.returncode == 0, check.stdout + check.stderr  # launch/gpu_check.sh's verdicts, here on the stand-in
-    assert [line.split()[:2] for line in check.stdout.splitlines() if line[:4] in ("PASS", "FAIL", "SKIP")] == [
-        ["PASS", "release:"], ["PASS", "weight"], ["PASS", "weights:"], ["PASS", "generations:"]], check.stdout
+    assert [line.split()[:2] for line in verdicts.splitlines() if line[:4] in ("PASS", "FAIL", "SKIP")] == [
+        ["PASS", "release:"], ["PASS", "weight"], ["PASS", "weights:"], ["PASS", "generations:"]], verdicts
     from grpo_accel.tracking import read_scalars
 
     versions = [v for _, v in read_scalars(out / "tensorboard")["train/weight_version_mean"]]
@@ -359,46 +375,49 @@ def test_zero3_grpo_run_keeps_the_server_weights_equal_to_the_trainer(tmp_path, 
         assert not torch.equal(served, base)
 
 
-def test_disk_path(tmp_path, model_dir):
-    with standin_server(model_dir) as url:
-        out, _ = sglang_run(tmp_path, url, model_dir, "single_process.yaml", "weight_sync.method=disk",
-                            "trainer.micro_batch_completions=128")
-        state = server_state(url)
-        assert_server_holds_checkpoint(url, out)
+def test_disk_path(tmp_path, model_dir, fresh_server):
+    """In this process (one process: the launched runs above and below cover several)."""
+    url, out = fresh_server(), tmp_path / "run"
+    train_in_process(sglang_args(out, url, model_dir, "weight_sync.method=disk",
+                                              "trainer.micro_batch_completions=128"))
+    state = server_state(url)
+    assert_server_holds_checkpoint(url, out)
     assert state["weight_version"] == "3" and state["loads"] == 3
     assert len(list((out / "weights").glob("version_*"))) == 2  # older pushes are deleted
 
 
-def test_a_resumed_trainer_pushes_its_weights_before_it_generates(tmp_path, model_dir):
-    with standin_server(model_dir) as url:
-        out, _ = sglang_run(tmp_path, url, model_dir, "zero2.yaml")
-        fail_next(url, "/update_weights_from_distributed", "success_false")
-        out, proc = sglang_run(tmp_path, url, model_dir, "zero2.yaml", "checkpoint.resume=auto",
-                               "trainer.total_frames=512")
-        state = server_state(url)
-        assert_server_holds_checkpoint(url, out)
-    assert state["weight_version"] == "4"  # version 3 pushed again at the resume, then one more batch
+def test_a_sync_that_keeps_failing_stops_with_a_checkpoint_and_the_resume_pushes_first(tmp_path, model_dir,
+                                                                                       fresh_server):
+    """Under ZeRO-2 (2 processes): the first push fails twice, so the run stops with an error and a checkpoint
+    after batch 1, every process together; its resume pushes that checkpoint's weights (one failed bucket,
+    pushed again) before it generates batch 2."""
+    from grpo_accel.checkpoint import Checkpoint
+    from grpo_accel.tracking import read_scalars
+
+    url, out = fresh_server(), tmp_path / "run"
+    fail_next(url, "/update_weights_from_distributed", times=2)
+    failed = launch("zero2.yaml", sglang_args(out, url, model_dir), expect_ok=False)
+    assert failed.returncode != 0 and "weights could not be pushed after 2 attempts" in failed.stderr
+    last = Checkpoint(out / "checkpoints").complete()[-1]
+    assert last.name == "step_00000001"
+    assert json.loads((last / "metadata.json").read_text())["reason"] == "weight sync failed"
+    assert server_state(url)["weight_version"] == "default"
+    fail_next(url, "/update_weights_from_distributed", "success_false")
+    resumed = launch("zero2.yaml", sglang_args(out, url, model_dir, "checkpoint.resume=auto"))
+    state = server_state(url)
+    assert_server_holds_checkpoint(url, out)
     versions = [int(body["weight_version"]) for path, body in state["requests"]
                 if path == "/update_weights_from_distributed" and body["weight_version"] is not None]
-    assert versions == [1, 2, 3, 3, 4]  # the resume pushes version 3 again (its first bucket failed once)
-    assert "pushing everything again" in proc.stderr and state["groups"] == []
-
-
-def test_persistent_failure_stops_with_an_error_and_a_checkpoint(tmp_path, model_dir):
-    with standin_server(model_dir) as url:
-        fail_next(url, "/update_weights_from_distributed", times=100)
-        out, proc = sglang_run(tmp_path, url, model_dir, "zero2.yaml", expect_ok=False)
-    assert proc.returncode != 0 and "weights could not be pushed after 2 attempts" in proc.stderr
-    from grpo_accel.checkpoint import Checkpoint
-
-    last = Checkpoint(out / "checkpoints").complete()[-1]
-    assert json.loads((last / "metadata.json").read_text())["reason"] == "weight sync failed"
+    assert versions == [1, 2, 3] and state["weight_version"] == "3"  # version 1 first, at the resume
+    assert "pushing everything again" in resumed.stderr and state["groups"] == []
+    weight_versions = read_scalars(out / "tensorboard")["train/weight_version_mean"]  # batch 1 ended in the error
+    assert weight_versions == [(2, 1.0), (3, 2.0)], "batch 2 was generated with the weights pushed at the resume"
 
 
 def test_unreachable_server_at_start_is_a_clear_error(tmp_path, model_dir):
-    out, proc = sglang_run(tmp_path, f"http://127.0.0.1:{free_port()}", model_dir, "single_process.yaml",
-                           "rollout.health_timeout_s=1", expect_ok=False)
-    assert "was not healthy after 1 s" in proc.stderr
+    with pytest.raises(ServerError, match="was not healthy after 1 s"):
+        train_in_process(sglang_args(tmp_path / "run", f"http://127.0.0.1:{free_port()}", model_dir,
+                                                  "rollout.health_timeout_s=1"))
 
 
 def test_launch_script_wires_servers_to_the_trainer():

@@ -115,7 +115,8 @@ pg = SGLangSource({version!r}).init_custom_process_group(backend="gloo", init_me
                                                         world_size=2, rank=1, group_name={name!r})
 t = torch.empty(4)
 dist.broadcast(t, src=0, group=pg)
-print(t.tolist())
+print(t.tolist(), flush=True)
+dist.destroy_process_group(pg)  # an exit with the group alive can abort in gloo's teardown
 """
 
 
@@ -129,10 +130,13 @@ def test_the_trainer_and_sglangs_own_join_meet_in_one_group(source):
     name = group.new_name()
     code = JOINER.format(tests=str(ROOT / "tests"), version=source.version, port=port, name=name)
     server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    group.join(name)
-    group.broadcast(torch.arange(4.0) + 1).wait()
-    out, err = server.communicate(timeout=60)
+    try:
+        group.join(name)
+        group.broadcast(torch.arange(4.0) + 1).wait()
+        out, err = server.communicate(timeout=60)
+    finally:  # nothing left waiting in this process, whatever happened
+        server.kill()
+        group.leave(abort=True)
+    assert out.strip() == "[1.0, 2.0, 3.0, 4.0]", err
     assert server.returncode == 0, err
-    assert out.strip() == "[1.0, 2.0, 3.0, 4.0]"
-    group.leave(abort=False)
     assert group.new_name() != name, "a group made after a failure never reuses the old one's keys"
