@@ -161,7 +161,7 @@ def test_a_launch_that_times_out_is_killed_with_its_children(tmp_path):
     launcher = ("import subprocess, sys, time\n"  # the way torch's elastic agent starts a rank
                 f"subprocess.Popen([sys.executable, '-c', {rank!r}], start_new_session=True).wait()\n")
     with pytest.raises(subprocess.TimeoutExpired) as timeout:
-        run_in_group([sys.executable, "-c", launcher], timeout=2)
+        run_in_group([sys.executable, "-c", launcher], timeout=1)
     assert "waiting_for_a_peer_that_never_comes" in str(timeout.value)  # the rank's stack, in the error
     child = int(pid_file.read_text())
     deadline = time.monotonic() + 10

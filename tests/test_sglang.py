@@ -137,8 +137,8 @@ def test_keys_health_wait_and_unreachable_servers(model_dir, servers, tokenizer)
 
 def test_waiting_for_a_server_says_what_it_waits_for(caplog):
     url = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(ServerError, match="was not healthy after 2 s"):
-        HTTPClient(url).wait_healthy(2, poll_s=0.1, report_every_s=0.5)
+    with pytest.raises(ServerError, match="was not healthy after 1 s"):
+        HTTPClient(url).wait_healthy(1, poll_s=0.05, report_every_s=0.25)
     reports = [r.getMessage() for r in caplog.records if "waiting for SGLang server" in r.getMessage()]
     assert 2 <= len(reports) <= 4, reports
     assert f"waiting for SGLang server {url}" in reports[0] and "nothing listens there yet" in reports[0]
@@ -241,9 +241,9 @@ def test_the_group_join_failure_names_the_store_and_the_servers(accelerator, mod
     url, port = servers.get(model_dir), free_port()  # the hung join stays in flight: a later use restarts it
     fail_next(url, "/init_weights_update_group", "hang")
     with pytest.raises(WeightSyncError) as info:
-        distributed_sender(accelerator, torch.nn.Linear(2, 2), url, master_port=port, timeout_s=3)
+        distributed_sender(accelerator, torch.nn.Linear(2, 2), url, master_port=port, timeout_s=2)
     message = str(info.value)
-    assert "the weight-update group 'weight_update_group-" in message and "did not form within 3 s" in message
+    assert "the weight-update group 'weight_update_group-" in message and "did not form within 2 s" in message
     assert f"TCP store 127.0.0.1:{port}, keys under 'weight_update_group-" in message
     assert f"{url} as ranks 1..1" in message and "weight_sync.master_address:master_port" in message
 
