@@ -110,8 +110,9 @@ def test_second_signal_exits_at_once_and_keeps_earlier_checkpoints(tmp_path):
     saved = Checkpoint(run / "checkpoints").complete()
     assert [p.name for p in saved] == ["step_00000001", "step_00000002"]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]
-    for path in saved:  # every file its manifest lists, whole
-        Checkpoint.verify(path, num_processes=2, zero_stage=2, signature=Checkpoint.read_metadata(path)["signature"])
+    signature = Checkpoint.read_metadata(saved[0])["signature"]
+    for path in saved:  # every file its manifest lists, whole, and the same model
+        Checkpoint.verify(path, num_processes=2, zero_stage=2, signature=signature)
 
 
 def test_resume_with_another_process_count_says_how(tmp_path, straight, never):
