@@ -5,6 +5,7 @@ import contextlib
 import json
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -22,9 +23,10 @@ class StandIn:
         source_dir(version)  # fetched once here, so that the server does not race to download it
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
+        self.output = tempfile.TemporaryFile()  # not a pipe: a long-lived server must never block on a full one
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "sglang_standin.py"), "--port", str(port),
                                       "--model", str(model_dir), "--sglang-version", version, *extra],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     stdout=self.output, stderr=subprocess.STDOUT)
 
     def wait_healthy(self, timeout_s: float = 60) -> str:
         deadline = time.monotonic() + timeout_s
@@ -34,13 +36,18 @@ class StandIn:
                 return self.url
             except (urllib.error.URLError, ConnectionError):
                 if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.proc.kill()
+                    self.proc.wait()
+                    self.output.seek(0)
+                    said = self.output.read()[-4000:].decode(errors="replace")
                     self.stop()
-                    raise AssertionError("stand-in did not start:\n" + self.proc.communicate()[0][-4000:])
+                    raise AssertionError(f"stand-in did not start:\n{said}")
                 time.sleep(0.1)
 
     def stop(self) -> None:
         self.proc.kill()
         self.proc.wait()
+        self.output.close()
 
 
 @contextlib.contextmanager
