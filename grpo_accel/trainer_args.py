@@ -6,8 +6,8 @@ import functools
 
 import torch
 
-from grpo_accel.distributed import any_process, make_accelerator, zero_stage
 from grpo_accel import rules
+from grpo_accel.distributed import any_process, make_accelerator, zero_stage
 from grpo_accel.rules import check
 
 AUTOCAST_MODES = {torch.bfloat16: "bf16", torch.float16: "fp16"}

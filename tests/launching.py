@@ -96,19 +96,25 @@ def readme_commands() -> list[str]:
     return commands
 
 
-def launch_as_in_readme(config: str, script_args: list[str], *, timeout: float = 300,
-                        env: dict | None = None) -> subprocess.CompletedProcess:
-    """The README's own command for training under ``accelerate_configs/<config>``, with ``script_args`` appended
-    (and ``env`` added to the environment)."""
-    command = f".venv/bin/accelerate launch --config_file accelerate_configs/{config} launch/train.py"
-    assert command in readme_commands(), f"the README no longer has {command!r}"
+def run_as_written(command: str, script_args: list[str], *, timeout: float = 300,
+                   env: dict | None = None) -> subprocess.CompletedProcess:
+    """A README command run by bash from the checkout exactly as written, ``script_args`` appended (and ``env``
+    added to the environment); it must succeed."""
     full = f"{command} {' '.join(shlex.quote(a) for a in script_args)}"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", **(env or {})}
-    proc = run_in_group(["bash", "-c", full], cwd=ROOT, env=env, timeout=timeout)
+    proc = run_in_group(["bash", "-c", full], cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                        timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{full}\nexit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
                              f"--- stderr (all ranks)\n{proc.stderr[-12000:]}")
     return proc
+
+
+def launch_as_in_readme(config: str, script_args: list[str], *, timeout: float = 300,
+                        env: dict | None = None) -> subprocess.CompletedProcess:
+    """The README's own command for training under ``accelerate_configs/<config>``, run as written."""
+    command = f".venv/bin/accelerate launch --config_file accelerate_configs/{config} launch/train.py"
+    assert command in readme_commands(), f"the README no longer has {command!r}"
+    return run_as_written(command, script_args, timeout=timeout, env={"DS_ACCELERATOR": "cpu", **(env or {})})
 
 
 def launch(config: str, script_args: list[str], *, timeout: float = 300, expect_ok: bool = True,
@@ -124,3 +130,10 @@ def launch(config: str, script_args: list[str], *, timeout: float = 300, expect_
         raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
                              f"--- stderr (all ranks)\n{proc.stderr[-12000:]}")
     return proc
+
+
+def launch_training(config: str, script_args: list[str], **kw) -> subprocess.CompletedProcess:
+    """launch/train.py launched under ``config``: through the README's own command where README_RUNS_ELSEWHERE
+    names the config (so that command is run as written), else with :func:`launch`."""
+    runner = launch_as_in_readme if config in README_RUNS_ELSEWHERE else launch
+    return runner(config, script_args, **kw)

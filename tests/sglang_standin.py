@@ -81,23 +81,24 @@ class Server:
     def __init__(self, source: SGLangSource, args) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.source, self.args = source, args
+        self.source = source
         self.model = AutoModelForCausalLM.from_pretrained(args.model).eval()
         self.initial_weights = {name: p.detach().clone() for name, p in self.model.named_parameters()}
         self.tokenizer = AutoTokenizer.from_pretrained(args.model)
         self.architecture = self.model.config.architectures[0]
-        self.ready_at = time.monotonic() + args.startup_delay
         self.lock = threading.Condition()
         self.groups: dict[str, object] = {}
         self.in_flight = 0  # requests being answered, test control included
         self.unhang = threading.Event()
-        self.reset()
+        self.reset(args)
         # The server's own default group (its tensor-parallel group; one rank here): SGLang's WeightUpdater
         # asserts it exists before joining a weight-update group.
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
-    def reset(self) -> None:
-        """The state at start (test control: POST /_standin/reset); every weight-update group is destroyed."""
+    def reset(self, args: argparse.Namespace) -> None:
+        """The state at a start with ``args`` (test control: POST /_standin/reset); every weight-update group is
+        destroyed."""
+        self.args, self.ready_at = args, time.monotonic() + args.startup_delay
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.copy_(self.initial_weights[name])
@@ -469,11 +470,9 @@ def make_handler(server: Server):
                 s.unhang.clear()
                 if s.in_flight > 1:
                     raise HTTPError(409, {"error": "a request is in flight: restart the stand-in instead"})
-                s.reset()
-                a = s.args  # the flags a server of this model and release would have been started with
-                s.args = parse_args(["--port", str(a.port), "--model", a.model, "--sglang-version", a.sglang_version,
-                                     *body.get("flags", [])])
-                s.ready_at = time.monotonic() + s.args.startup_delay  # as if it had just started
+                a = s.args  # the same model and release, with the flags the next server would have been given
+                s.reset(parse_args(["--port", str(a.port), "--model", a.model, "--sglang-version", a.sglang_version,
+                                    *body.get("flags", [])]))
                 return {"ok": True}
             if path == "/_standin/digest":  # for models too large to list
                 return {n: hashlib.sha256(p.detach().float().contiguous().numpy().tobytes()).hexdigest()

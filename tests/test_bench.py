@@ -7,10 +7,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from launching import ROOT, launch
-from trainer_utils import reset_accelerate_state
+from trainer_utils import main_in_process
 
 BENCH = str(ROOT / "launch" / "bench.py")
 SMALL = ["--size", "1m", "--steps", "2", "--warmup", "1", "--prompts", "2", "--group", "4", "--max-new-tokens", "8",
@@ -31,22 +30,15 @@ def check_result(result: dict, processes: int) -> None:
     assert all(mb > 0 for mb in result["peak_memory_mb_per_process"])
 
 
-def bench(monkeypatch, capsys, tmp_path, *args) -> tuple[dict, str]:
+def bench(capsys, tmp_path, *args) -> tuple[dict, str]:
     """launch/bench.py's ``main(args)`` in this process: its JSON result and what it printed."""
-    monkeypatch.syspath_prepend(str(ROOT / "launch"))  # the benchmark is a script beside launch/train.py
-    from bench import main
-
-    out, threads = tmp_path / "bench.json", torch.get_num_threads()
-    try:
-        assert main([*args, "--out", str(out)]) == 0
-    finally:  # the benchmark sets threads from the cores and builds an Accelerator, as a launched run does
-        torch.set_num_threads(threads)
-        reset_accelerate_state()
+    out = tmp_path / "bench.json"
+    assert main_in_process("bench", [*args, "--out", str(out)]) == 0
     return json.loads(out.read_text()), capsys.readouterr().out
 
 
-def test_benchmark_reports_phases_mfu_overhead_and_speed_items(tmp_path, monkeypatch, capsys):
-    result, printed = bench(monkeypatch, capsys, tmp_path, *SMALL, "--items")
+def test_benchmark_reports_phases_mfu_overhead_and_speed_items(tmp_path, capsys):
+    result, printed = bench(capsys, tmp_path, *SMALL, "--items")
     check_result(result, processes=1)
     assert 1e6 < result["parameters"] < 2e6  # the 1m built-in size
     assert "trainer overhead" in printed and "MFU train" in printed and "speed item" in printed
@@ -78,17 +70,17 @@ def test_benchmark_runs_under_accelerate_launch_with_zero3(tmp_path, model_folde
     assert proc.stdout.count("trainer overhead") == 1  # the main process reports
 
 
-def test_benchmark_takes_a_model_folder(tmp_path, model_folder, monkeypatch, capsys):
+def test_benchmark_takes_a_model_folder(tmp_path, model_folder, capsys):
     from transformers import AutoModelForCausalLM
 
-    result, _ = bench(monkeypatch, capsys, tmp_path, *SMALL, "--model", str(model_folder), "--decoder", "generate")
+    result, _ = bench(capsys, tmp_path, *SMALL, "--model", str(model_folder), "--decoder", "generate")
     check_result(result, processes=1)
     assert result["size"] == str(model_folder)
     assert result["parameters"] == AutoModelForCausalLM.from_pretrained(model_folder).num_parameters()
 
 
-def test_loop_times_whole_iterations_of_each_variant(tmp_path, monkeypatch, capsys):
-    result, printed = bench(monkeypatch, capsys, tmp_path, "--size", "tiny", "--loop", "sync", "async",
+def test_loop_times_whole_iterations_of_each_variant(tmp_path, capsys):
+    result, printed = bench(capsys, tmp_path, "--size", "tiny", "--loop", "sync", "async",
                             "async+worker", "--steps", "3", "--warmup", "1", "--prompts", "2", "--group", "2",
                             "--max-new-tokens", "4", "--micro-batch", "4", "--kl-coef", "0.04", "--lr", "1e-4")
     assert result["parameters"] == 82496 and result["kl_coef"] == 0.04  # the TRL comparison's Qwen2

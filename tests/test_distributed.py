@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from grpo_accel.distributed import DistributedConfigError, read_deepspeed_file, validate_deepspeed_config
-from launching import README_RUNS_ELSEWHERE, ROOT, free_port, launch, launch_as_in_readme, run_in_group
+from launching import ROOT, free_port, launch, launch_training, run_in_group
 from trainer_utils import train_in_process
 
 BASE = ["trainer.total_frames=512", "trainer.progress_bar=false"]  # 4 batches of 16 prompts x 8
@@ -37,8 +37,7 @@ def run(config, tmp_path, name, *extra):
         return out
     build_root, lock = killed_build(tmp_path / f"{name}_torch_extensions")
     env = {"TORCH_EXTENSIONS_DIR": str(build_root)}
-    proc = (launch_as_in_readme(config, args, env=env) if config in README_RUNS_ELSEWHERE
-            else launch(config, args, env=env))
+    proc = launch_training(config, args, env=env)
     assert READY.format(0) in proc.stderr and READY.format(1) in proc.stderr
     if config.startswith("zero"):  # DeepSpeed
         assert f"removed a stale build lock {lock}" in proc.stderr and not lock.exists()
@@ -67,6 +66,8 @@ def assert_bounded_console(proc):
     warnings = [line for line in lines if "Warning: " in line]
     assert all(warnings.count(w) <= 2 for w in warnings), warnings
     assert sum("checkpoint" in line and "saved" in line for line in lines) == 1  # at the end of training
+    assert not [line for line in lines if "[RANK 0]" in line]  # Accelerate's per-checkpoint INFO lines
+    assert len(lines) < 70, "\n".join(lines)
 
 
 def curves(out):
@@ -156,7 +157,7 @@ def test_bf16_under_zero3_learns_with_finite_loss(tmp_path):
     losses = [v for _, v in scalars["train/loss"]]
     assert len(losses) == 24 and all(abs(v) < 1e3 for v in losses)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["reward_last10_mean"] > summary["reward_first10_mean"] + 0.1, summary  # here: 0.08 -> 0.31
+    assert summary["reward_last10_mean"] > summary["reward_first10_mean"] + 0.1, summary  # here: 0.08 -> 0.26
 
 
 def test_slurm_script_runs_two_machines_of_one_process(single, tmp_path):

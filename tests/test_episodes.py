@@ -342,13 +342,13 @@ def test_launched_runs_train_on_episodes(tmp_path, short_turns, config, extra):
     asynchronously by the decode worker (ZeRO-0), and under ZeRO-3, where each turn is a collective, with packing
     and dynamic sampling; the episode metrics reach TensorBoard. (ZeRO-1/2 hold whole parameters for generation
     as ZeRO-0 does; their training is test_distributed.py's.) ZeRO-0's run is the README's command, as written."""
-    from launching import README_RUNS_ELSEWHERE, launch, launch_as_in_readme
+    from launching import launch_training
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS * 2))
     out = tmp_path / "run"
-    (launch_as_in_readme if README_RUNS_ELSEWHERE.get(config) == "test_episodes.py" else launch)(config, [
+    launch_training(config, [
         f"output_dir={out}", f"model.name_or_path={short_turns}", f"data.path={data}",
         "rollout.environment=tests.episode_env:Countdown", "rollout.max_turns=3", "rollout.max_new_tokens=6",
         "rollout.prompts_per_batch=4", "rollout.group_size=2", "trainer.total_frames=16", "trainer.progress_bar=false",

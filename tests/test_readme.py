@@ -5,12 +5,11 @@ nothing else is changed, so the README cannot drift from what works. The trainin
 ``launching.README_RUNS_ELSEWHERE`` run as written in the modules it names.
 """
 import json
-import os
 import re
 
 import pytest
 
-from launching import README_RUNS_ELSEWHERE, ROOT, readme_commands, run_in_group
+from launching import README_RUNS_ELSEWHERE, readme_commands, run_as_written
 
 ELSEWHERE = {  # how a command starts -> why it does not run in this suite, and what covers it instead
     "bash launch/setup.sh && .venv/bin/python -m pytest": "the test suite itself (what .ci/run runs)",
@@ -66,10 +65,7 @@ def test_every_readme_command_runs_here_or_is_accounted_for():
 @pytest.mark.parametrize("command", run_here())
 def test_readme_training_command_runs_as_written(command, tmp_path):
     out = tmp_path / "run"
-    proc = run_in_group(["bash", "-c", f"{command} output_dir={out} trainer.total_frames=256 "
-                                       "trainer.progress_bar=false"],
-                        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=600)
-    assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    run_as_written(command, [f"output_dir={out}", "trainer.total_frames=256", "trainer.progress_bar=false"], timeout=600)
     summary = json.loads((out / "summary.json").read_text())
     from grpo_accel.runtime import available_cores
 

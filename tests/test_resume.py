@@ -122,7 +122,7 @@ def test_resume_with_another_process_count_says_how(tmp_path, straight, never):
     before = contents(run)
     with pytest.raises(CheckpointError, match="was written by 2 processes, this run has 1") as err:
         train_in_process([f"output_dir={run}", f"trainer.total_frames={8 * BATCH}", *BASE, never,
-                                       "checkpoint.resume=auto"])
+                          "checkpoint.resume=auto"])
     assert "grpo_accel.export" in str(err.value)
     assert contents(run) == before
 
@@ -136,7 +136,7 @@ def test_resume_with_other_settings_names_them(tmp_path, straight, never):
     before = contents(run)
     with pytest.raises(ConfigError, match="was trained with other settings") as err:
         train_in_process([f"output_dir={run}", f"trainer.total_frames={8 * BATCH}", *BASE, never,
-                                       "checkpoint.resume=auto", "rollout.group_size=4", "model.hidden_size=32"])
+                          "checkpoint.resume=auto", "rollout.group_size=4", "model.hidden_size=32"])
     assert "model.hidden_size: 64 -> 32" in str(err.value) and "rollout.group_size: 8 -> 4" in str(err.value)
     assert contents(run) == before
 
@@ -169,7 +169,7 @@ def test_a_fresh_run_never_lands_on_another_runs_outputs(tmp_path, caplog):
     try:
         with pytest.raises(RunFolderBusy, match=f"is in use by pid {holder.pid} on"):
             train_in_process([f"output_dir={run}", f"trainer.total_frames={3 * BATCH}", *BASE,
-                                           "checkpoint.resume=auto"])
+                              "checkpoint.resume=auto"])
         assert {k: v for k, v in contents(run).items() if k != ".grpo_accel.lock"} == before
     finally:
         os.kill(holder.pid, signal.SIGKILL)  # leaves its lock behind, as a killed run does
@@ -192,7 +192,7 @@ def test_zero3_export_matches_the_single_process_model(tmp_path, straight, never
 
     single, z3 = tmp_path / "single", straight("zero3.yaml")
     train_in_process([f"output_dir={single}", f"trainer.total_frames={4 * BATCH}", *BASE, never,
-                                   "trainer.micro_batch_completions=128"])  # the same global batch as 2 x 64
+                      "trainer.micro_batch_completions=128"])  # the same global batch as 2 x 64
     exported = [AutoModelForCausalLM.from_pretrained(export_checkpoint(
         Checkpoint(run / "checkpoints").complete()[-1], tmp_path / f"hf_{run.name}")) for run in (single, z3)]
     ids = torch.tensor([[7, 14, 8, 17, 9]])

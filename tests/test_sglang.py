@@ -238,7 +238,7 @@ def test_verification_catches_a_server_that_did_not_load(accelerator, model_dir,
 def test_the_group_join_failure_names_the_store_and_the_servers(accelerator, model_dir, servers):
     from grpo_accel.weight_sync.sglang import WeightSyncError
 
-    url, port = servers.get(model_dir), free_port()  # the hung join stays in flight: a later use restarts it
+    url, port = servers.get(model_dir), free_port()  # the hung join ends at the next reset
     fail_next(url, "/init_weights_update_group", "hang")
     with pytest.raises(WeightSyncError) as info:
         distributed_sender(accelerator, torch.nn.Linear(2, 2), url, master_port=port, timeout_s=2)

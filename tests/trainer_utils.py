@@ -19,23 +19,31 @@ def reset_accelerate_state():
     GradientState._reset_state()
 
 
-def train_in_process(args: list[str]) -> int:
-    """``python launch/train.py *args`` in this process: a one-process run without the ~4 s of a launch's imports.
-    Its console set-up (logging format, warnings once) is left out so that pytest's capture stays; torch's thread
-    count and the Accelerate state are restored after."""
+def main_in_process(script: str, argv: list[str], **replaced) -> int:
+    """``python launch/<script>.py *argv`` in this process (a one-process run without the ~4 s of a launch's
+    imports), with the script's attributes in ``replaced`` swapped for the call. The scripts set torch's threads
+    from the cores and build an Accelerator, as a launched run does: both are restored after."""
+    import importlib
+
     from launching import ROOT
 
     threads = torch.get_num_threads()
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(ROOT / "launch"))
-        import train
-
-        patch.setattr(train, "quiet_console", lambda: None)
+        module = importlib.import_module(script)
+        for name, value in replaced.items():
+            patch.setattr(module, name, value)
         try:
-            return train.main(args)
+            return module.main(argv)
         finally:
             torch.set_num_threads(threads)
             reset_accelerate_state()
+
+
+def train_in_process(args: list[str]) -> int:
+    """launch/train.py's ``main(args)`` in this process; its console set-up (logging format, warnings once) is
+    left out so that pytest's capture stays."""
+    return main_in_process("train", args, quiet_console=lambda: None)
 
 
 @pytest.fixture(autouse=True)
