@@ -12,7 +12,9 @@ completions of a prompt are contiguous (rows ``g*G .. g*G+G-1`` share ``group_id
 | model_mask        | [N, C]  | int64   | episodes only: 1 on the model's own tokens, 0 on the environment's |
 | engine_logprobs   | [N, C]  | float32 | engine's log_softmax(logits / temperature) at the sampled token  |
 | finish_reason     | [N]     | int64   | FINISH_STOP, FINISH_LENGTH or FINISH_ABORT                       |
-| weight_version    | [N]     | int64   | version of the weights that generated the row                    |
+| weight_version    | [N]     | int64   | oldest version of the weights that generated a token of the row  |
+| weight_version_last | [N]   | int64   | newest such version (> weight_version: a partial rollout, pushed |
+|                   |         |         | to while it was generated; each token keeps its engine logprob)  |
 | group_id          | [N]     | int64   | index of the prompt in the collector's stream                    |
 | rewards           | [N]     | float32 | sub-TensorDict: one entry per reward function (unweighted)       |
 | reward            | [N]     | float32 | weighted sum of ``rewards``                                      |
@@ -41,6 +43,7 @@ MODEL_MASK = "model_mask"
 ENGINE_LOGPROBS = "engine_logprobs"
 FINISH_REASON = "finish_reason"
 WEIGHT_VERSION = "weight_version"
+WEIGHT_VERSION_LAST = "weight_version_last"
 GROUP_ID = "group_id"
 REWARDS = "rewards"
 REWARD = "reward"

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from grpo_accel.layout import CONFIG_NAMES, BatchLayout
+from grpo_accel.sglang_api import PAUSE_MODES
 from grpo_accel.rules import check, require
 from grpo_accel.tasks import BUILTIN_TASKS
 
@@ -143,7 +144,13 @@ class RolloutConfig:
     health_timeout_s: float = 300.0
     """SGLang: how long to wait for /health on every server at start."""
     request_retries: int = 3
-    """SGLang: retries (exponential backoff) for 5xx answers, unreachable servers and aborted requests."""
+    """SGLang: retries (exponential backoff) of one request for 5xx answers, unreachable servers and timeouts,
+    and aborts that brought no token (an abort with tokens is continued, never counted)."""
+    request_size: int = 64
+    """SGLang: completions per /generate request at most; a server's share of a batch goes out as several
+    requests at once, each retried on its own."""
+    request_timeout_s: float = 600.0
+    """SGLang: seconds one /generate request may take before it counts as failed and is sent again."""
     prompts_per_batch: int = 16
     """Prompts per collected batch, over all processes."""
     group_size: int = 8
@@ -181,6 +188,9 @@ class RolloutConfig:
     tool_timeout_s: float = 10.0
     """Episodes with the built-in tool environment: each tool call's time limit; a slower call is answered with
     an error message, as are failing calls."""
+    colocate: bool = False
+    """SGLang on the trainer's own GPUs (servers started with --enable-memory-saver): they free their KV cache,
+    weights and CUDA graphs while the trainer optimises and take them back around each push."""
     zero3_gather_full: bool = False
     """ZeRO-3 only: gather the whole policy once around generation (every rank then holds the full model)
     instead of DeepSpeed fetching each module's shards at every decoding step (memory bounded by a module)."""
@@ -192,10 +202,13 @@ class RolloutConfig:
         _rules("rollout", self, group_size="group_size", prompts_per_batch="positive_count",
                max_new_tokens="positive_count", max_prompt_tokens="positive_count", temperature="temperature",
                top_p="top_p", top_k="top_k", max_extra_rounds="non_negative_count", max_turns="max_turns",
-               max_episode_tokens="optional_count", tool_timeout_s="seconds")
+               max_episode_tokens="optional_count", tool_timeout_s="seconds", request_size="positive_count",
+               request_timeout_s="seconds", request_retries="non_negative_count")
         _choice("rollout.decoder", self.decoder, DECODERS)
         _check(not self.embedded_worker or self.backend == "embedded", "rollout.embedded_worker", self.embedded_worker,
                "a decode worker belongs to the embedded engine; set rollout.backend=embedded or drop it.")
+        _check(not self.colocate or self.backend == "sglang", "rollout.colocate", self.colocate,
+               "colocation shares the trainer's GPUs with SGLang servers; set rollout.backend=sglang or drop it.")
 
     @property
     def completions_per_batch(self) -> int:
@@ -329,8 +342,9 @@ class WeightSyncConfig:
     """distributed: per_tensor (one broadcast per tensor) or flattened_bucket (one per bucket)."""
     backend: str = "auto"
     """distributed: nccl, gloo, or auto (nccl when CUDA is available)."""
-    master_address: str = "127.0.0.1"
-    """distributed: address of training rank 0 that the servers connect to."""
+    master_address: str | None = None
+    """distributed: address of training rank 0 that the servers connect to; null: its address on the route to
+    the first server (a loopback address when the servers run on this machine)."""
     master_port: int = 29600
     """Port of the weight-update process group's rendezvous on master_address."""
     dtype: str = "bfloat16"
@@ -346,12 +360,16 @@ class WeightSyncConfig:
     """Full pushes tried before stopping with an error and a checkpoint."""
     timeout_s: float = 600.0
     """Seconds each HTTP request to a server may take (a weight push, a check) before it is an error."""
+    pause_mode: str = "retract"
+    """How a push pauses the servers: retract (in-flight requests keep their tokens and finish with the new
+    weights: partial rollouts) or abort (they come back cut short and are continued from what they had)."""
 
     def __post_init__(self) -> None:
         _choice("weight_sync.method", self.method, ("distributed", "disk", "tensor"))
         _choice("weight_sync.layout", self.layout, ("per_tensor", "flattened_bucket"))
         _choice("weight_sync.backend", self.backend, ("auto", "nccl", "gloo"))
         _choice("weight_sync.dtype", self.dtype, ("bfloat16", "float16", "float32"))
+        _choice("weight_sync.pause_mode", self.pause_mode, PAUSE_MODES)
         _check(self.bucket_mb > 0, "weight_sync.bucket_mb", self.bucket_mb, "must be > 0.")
         _check(self.max_attempts >= 1, "weight_sync.max_attempts", self.max_attempts, "must be >= 1.")
 
@@ -443,6 +461,9 @@ class GRPOConfig:
         _check(bool(self.rewards), "rewards", self.rewards, "list at least one reward function.")
         names = [r.name for r in self.rewards]
         _check(len(set(names)) == len(names), "rewards", names, "each reward function may appear once.")
+        _check(not (self.rollout.colocate and self.trainer.async_collection), "rollout.colocate", True,
+               "colocated servers free their memory while the trainer trains, so they cannot generate then; set "
+               "trainer.async_collection=false, or run the servers on GPUs of their own.")
         _check(not self.rollout.embedded_worker or self.trainer.async_collection, "rollout.embedded_worker",
                self.rollout.embedded_worker, "a decode worker runs beside training only with "
                "trainer.async_collection=true (synchronous GRPO waits for generation anyway); set both or neither.")

@@ -17,7 +17,8 @@ def mean_over_processes(accelerator, stats: dict[str, float]) -> dict[str, float
 
 
 def rollout_scalars(accelerator, rollout: TensorDict, with_rewards: bool = True) -> dict[str, float]:
-    """Reward (total and per function), completion length, truncation, weight version, the collector's
+    """Reward (total and per function), completion length, truncation, weight version, partial rollouts (rows a
+    push landed in while they were generated: their share, and the most versions one row spans), the collector's
     ``stats`` (time_<phase> seconds -> time/<phase>) and, for multi-turn episodes, :func:`episode_scalars`, over
     all processes."""
     keys = [K.REWARD] + [(K.REWARDS, name) for name in rollout[K.REWARDS].keys()]
@@ -27,6 +28,7 @@ def rollout_scalars(accelerator, rollout: TensorDict, with_rewards: bool = True)
         rollout[K.COMPLETION_MASK].sum(-1).float(),
         (rollout[K.FINISH_REASON] == K.FINISH_LENGTH).float(),
         rollout[K.WEIGHT_VERSION].float(),
+        (rollout.get(K.WEIGHT_VERSION_LAST, rollout[K.WEIGHT_VERSION]) - rollout[K.WEIGHT_VERSION]).float(),
     ] + [rollout["stats", name].float() for name in stats]
     if K.EPISODE in rollout.keys():
         columns += list(episode_columns(rollout).unbind(1))
@@ -36,10 +38,12 @@ def rollout_scalars(accelerator, rollout: TensorDict, with_rewards: bool = True)
         "train/completion_length_mean": float(every[:, n].mean()),
         "train/truncated_fraction": float(every[:, n + 1].mean()),
         "train/weight_version_mean": float(every[:, n + 2].mean()),
+        "train/partial_rollout_fraction": float((every[:, n + 3] > 0).float().mean()),
+        "train/weight_version_spread_max": float(every[:, n + 3].max()),
     }
     if K.EPISODE in rollout.keys():  # multi-turn: the last columns
         out |= {f"train/{k}": v for k, v in episode_scalars(every[:, -len(EPISODE_COLUMNS):]).items()}
-    for j, name in enumerate(stats, start=n + 3):  # the collector's seconds per phase go under time/
+    for j, name in enumerate(stats, start=n + 4):  # the collector's seconds per phase go under time/
         out[f"time/{name[5:]}" if name.startswith("time_") else f"train/{name}"] = float(every[:, j].mean())
     if with_rewards:
         out["train/reward_mean"], out["train/reward_std"] = float(every[:, 0].mean()), float(every[:, 0].std())

@@ -9,10 +9,30 @@ here, read from the releases' source:
   ``/begin_weight_update`` ... ``/end_weight_update`` session
   (srt/managers/scheduler_components/weight_updater.py).
 - Every release: ``sampling_seed`` is honoured only by a server started with ``--enable-deterministic-inference``;
-  weight updates are refused by a server with ``--dp-size`` > 1 (an assertion, HTTP 500); pipeline stages would
-  join the weight-update group with colliding ranks (``rank = rank_offset + tp_rank``), so ``--pp-size`` > 1
-  is refused here; ``/get_weights_by_name`` is implemented by a few model classes only (Llama and its
-  subclasses, OPT, Granite, EXAONE 4, ...), the others answer 400 "Get parameter by name failed".
+  distributed and tensor weight updates are refused by a server with ``--dp-size`` > 1 unless it runs
+  ``--enable-dp-attention`` (an assertion, HTTP 500: 0.5.9 srt/managers/tokenizer_communicator_mixin.py
+  ``dp_size == 1 or enable_dp_attention``; 0.5.23 srt/managers/tokenizer_control_mixin.py asserts one replica,
+  and dp attention runs inside one, srt/runtime_context.py ``num_dp_ranks_of``), while disk updates are served
+  at any dp size (``update_weights_from_disk`` in srt/managers/tokenizer_manager.py asserts nothing of it);
+  pipeline stages would join the weight-update group with colliding ranks (``rank = rank_offset + tp_rank``),
+  so ``--pp-size`` > 1 is refused here; ``/get_weights_by_name`` is implemented by a few model classes only
+  (Llama and its subclasses, OPT, Granite, EXAONE 4, ...), the others answer 400 "Get parameter by name failed".
+- Every release: ``/pause_generation`` takes ``mode`` abort, retract or in_place (``PauseGenerationReqInput``,
+  srt/managers/io_struct.py). ``abort`` returns every in-flight request with finish reason abort and what it had
+  generated; ``retract`` moves running requests back to the waiting queue, keeping their output ids and logprobs
+  (``Req.reset_for_retract``, srt/managers/schedule_batch.py), so that a flush succeeds (``Scheduler.flush_cache``
+  looks at the running batch only) and they go on after ``/continue_generation``, their KV cache recomputed with
+  the weights loaded by then; ``in_place`` keeps them running, so a flush fails until they finish.
+- Every release: a server started with ``--enable-memory-saver`` frees the GPU memory of the tags given to
+  ``/release_memory_occupation`` (kv_cache, weights, cuda_graph; all when none are named) and takes it back at
+  ``/resume_memory_occupation``; the release asserts that no request runs (0.5.9
+  srt/managers/scheduler_update_weights_mixin.py, 0.5.23 scheduler_components/weight_updater.py), resuming a tag
+  that is not released fails (``offload_tags.remove``), and resumed weights hold no values until pushed. Without
+  the flag both are no-ops.
+- Every release: a request whose prompt is ``>=`` the context length is a 400, and so is prompt +
+  ``max_new_tokens`` ``>=`` it in 0.5.9 (``>`` in 0.5.23; ``TokenizerManager._validate_one_request``), unless the
+  server runs ``--allow-auto-truncate``; the context length is ``max_model_len`` at ``GET /v1/models``
+  (``available_models``, srt/entrypoints/http_server.py, both releases).
 
 Nothing here imports ``sglang``.
 """
@@ -26,6 +46,11 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED = ((0, 5, 9), (0, 5, 23))
 """Oldest and newest SGLang release this client was checked against (tests read both releases' source)."""
+PAUSE_MODES = ("retract", "abort")
+"""How a weight push pauses the servers (``in_place`` is not offered: its running requests make the flush that
+ends every update fail)."""
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+"""What a colocated server frees while the trainer trains (srt/constants.py ``GPU_MEMORY_ALL_TYPES``)."""
 SESSION_SINCE = (0, 5, 21)
 """First release that refuses weight updates outside a begin/end session."""
 DEFAULT_GROUP = "weight_update_group"
@@ -53,13 +78,16 @@ class ServerInfo:
     dp_size: int = 1
     pp_size: int = 1
     deterministic: bool = False  # --enable-deterministic-inference: sampling_seed is honoured
+    dp_attention: bool = False  # --enable-dp-attention
+    memory_saver: bool = False  # --enable-memory-saver: memory release and resume do something
 
     @classmethod
     def from_json(cls, url: str, info: dict) -> ServerInfo:
         if "version" not in info:
             raise ValueError(f"{url}/server_info has no 'version': is this an SGLang server?")
         return cls(url, parse_version(info["version"]), int(info.get("tp_size") or 1), int(info.get("dp_size") or 1),
-                   int(info.get("pp_size") or 1), bool(info.get("enable_deterministic_inference", False)))
+                   int(info.get("pp_size") or 1), bool(info.get("enable_deterministic_inference", False)),
+                   bool(info.get("enable_dp_attention", False)), bool(info.get("enable_memory_saver", False)))
 
     @property
     def needs_session(self) -> bool:
@@ -75,12 +103,14 @@ class ServerInfo:
             logger.warning("%s runs SGLang %s, newer than the newest release checked here (%s); it is driven as %s.",
                            self.url, _dotted(self.version), _dotted(high), _dotted(high))
 
-    def check_weight_updates(self) -> None:
-        """Refuse, before anything is pushed, a topology whose weight updates SGLang would refuse or misroute."""
-        if self.dp_size > 1:
-            raise RuntimeError(f"{self.url} runs with --dp-size {self.dp_size}; SGLang refuses weight updates to a "
-                               "server with data-parallel replicas. Start one server per replica (--dp-size 1, e.g. "
-                               "behind sglang-router) and list every server in rollout.urls.")
+    def check_weight_updates(self, method: str = "distributed") -> None:
+        """Refuse, before anything is pushed, a topology whose weight updates SGLang would refuse or misroute
+        (``method``: distributed, tensor or disk)."""
+        if self.dp_size > 1 and not self.dp_attention and method != "disk":
+            raise RuntimeError(f"{self.url} runs with --dp-size {self.dp_size}; SGLang refuses {method} weight updates "
+                               "to a server with data-parallel replicas unless it runs --enable-dp-attention. Add "
+                               "that flag, use weight_sync.method=disk, or start one server per replica (--dp-size "
+                               "1, e.g. behind sglang-router) and list every server in rollout.urls.")
         if self.pp_size > 1:
             raise RuntimeError(f"{self.url} runs with --pp-size {self.pp_size}; its pipeline stages would join the "
                                "weight-update group with the same ranks. Use --pp-size 1 (tensor parallelism is fine).")
@@ -89,6 +119,19 @@ class ServerInfo:
 def read_server_info(client) -> ServerInfo:
     """``GET /server_info`` (both ends of the range serve it; ``/get_server_info`` is deprecated)."""
     return ServerInfo.from_json(client.url, client.get("/server_info"))
+
+
+def read_context_length(client) -> int:
+    """The served model's context length: ``max_model_len`` of ``GET /v1/models``."""
+    cards = client.get("/v1/models").get("data") or []
+    if not cards or not cards[0].get("max_model_len"):
+        raise ValueError(f"{client.url}/v1/models reports no max_model_len: is this an SGLang server?")
+    return int(cards[0]["max_model_len"])
+
+
+def read_weight_version(client) -> str:
+    """The version of the weights a server holds now (``weight_version`` of ``GET /model_info``)."""
+    return str(client.get("/model_info").get("weight_version"))
 
 
 # -- request bodies, one builder per endpoint: (path, body) ------------------------------------------------
@@ -114,13 +157,21 @@ def prompt_logprobs(input_ids: list[int]) -> tuple[str, dict]:
                          "return_logprob": True, "logprob_start_len": 0}
 
 
-def pause_generation() -> tuple[str, dict]:
-    """Abort what is in flight (the engine generates those requests again with the new weights)."""
-    return "/pause_generation", {"mode": "abort"}
+def pause_generation(mode: str) -> tuple[str, dict]:
+    """``retract``: in-flight requests wait and go on with the new weights; ``abort``: they come back cut short."""
+    return "/pause_generation", {"mode": mode}
 
 
 def continue_generation() -> tuple[str, dict]:
     return "/continue_generation", {}
+
+
+def release_memory_occupation(tags: list[str]) -> tuple[str, dict]:
+    return "/release_memory_occupation", {"tags": tags}
+
+
+def resume_memory_occupation(tags: list[str]) -> tuple[str, dict]:
+    return "/resume_memory_occupation", {"tags": tags}
 
 
 def begin_weight_update() -> tuple[str, dict]:

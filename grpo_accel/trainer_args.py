@@ -44,10 +44,15 @@ def accelerator_for(a: dict):
         a["gradient_accumulation_steps"], AUTOCAST_MODES[a["autocast_dtype"]] if a["mixed_precision"] else "no")
     require(acc.gradient_accumulation_steps == a["gradient_accumulation_steps"], "gradient_accumulation_steps",
             a["gradient_accumulation_steps"], f"the given accelerator accumulates {acc.gradient_accumulation_steps}")
-    asynchronous = a["async_collection"]
-    require(not (asynchronous and zero_stage(acc) == 3), "async_collection", asynchronous,
-            "background generation cannot join ZeRO-3's collective gathers; use ZeRO-0/1/2 or a separate engine")
-    engine_model = getattr(getattr(a["collector"], "engine", None), "model", None)
+    asynchronous, engine = a["async_collection"], getattr(a["collector"], "engine", None)
+    remote = getattr(engine, "remote", False)  # generation in other processes (servers) joins no collective
+    require(not (asynchronous and zero_stage(acc) == 3 and not remote), "async_collection", asynchronous,
+            "an engine in the trainer's process generates from ZeRO-3 shards that every process gathers together, "
+            "which a background thread cannot join; use ZeRO-0/1/2, or an engine of its own (SGLang servers)")
+    require(not (asynchronous and acc.num_processes > 1 and getattr(a["collector"], "dynamic_sampling", False)),
+            "async_collection", asynchronous, "dynamic sampling agrees on its extra rounds over every process, which "
+            "a background thread cannot do beside training; turn one of them off")
+    engine_model = getattr(engine, "model", None)
     require(not (asynchronous and engine_model is getattr(a["loss_module"], "policy", object())), "async_collection",
             asynchronous, "the engine generates from the weights being trained; give it its own copy and a weight-sync sender")
     shard_collector(a["collector"], acc)

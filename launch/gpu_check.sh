@@ -10,7 +10,8 @@
 # launch/check_sglang.py compares the server's release, weight version, weights (/get_weights_by_name: SmolLM2
 # is a Llama) and greedy generations with the job's final weights. With 2+ GPUs the server gets GPU 1 and the
 # weights go over NCCL (weight_sync.method=distributed); on one GPU NCCL cannot work (it needs one device per
-# rank), so the same-node CUDA IPC path (method=tensor) runs instead and the NCCL verdict says SKIP.
+# rank), so the same-node CUDA IPC path (method=tensor) runs instead and the NCCL verdict says SKIP. Then the
+# colocated case: a server with --enable-memory-saver on GPU 0 beside the trainer, rollout.colocate=true.
 # SGLANG_PYTHON=/path/to/python uses an existing SGLang install instead of making .venv-sglang.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -63,5 +64,25 @@ CUDA_VISIBLE_DEVICES=0 "$sg" -m accelerate.commands.launch --config_file acceler
   && verdict PASS "GRPO job with weight_sync.method=$method: $(grep -o '"iterations": [0-9]*' "$run/summary.json"), sync $(grep -o '"weight_sync_s": [0-9.]*' "$run/summary.json") s ($((SECONDS - start)) s)" \
   || { verdict FAIL "GRPO job with weight_sync.method=$method: tail $out/train_$method.log"; exit 1; }
 [ "$method" = distributed ] || verdict SKIP "NCCL weight sync: one GPU (NCCL needs a device per rank); tensor path checked instead"
+"$sg" launch/check_sglang.py --url "http://127.0.0.1:$port" --run "$run"
+
+# Colocated: a server with --enable-memory-saver on the trainer's own GPU (0), rollout.colocate=true: it frees its
+# KV cache, weights and CUDA graphs while the trainer optimises; each push takes them back (CUDA IPC: same GPU).
+kill $server 2>/dev/null; wait $server 2>/dev/null || true
+CUDA_VISIBLE_DEVICES=0 "$sg" -m sglang.launch_server --model-path "$model" --port "$port" \
+  --enable-deterministic-inference --enable-memory-saver --mem-fraction-static 0.3 >"$out/server_colocated.log" 2>&1 &
+server=$!
+for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
+curl -sf "http://127.0.0.1:$port/health" >/dev/null || { verdict FAIL "colocated server did not start: tail $out/server_colocated.log"; exit 1; }
+run=$out/run_colocated
+rm -rf "$run"
+CUDA_VISIBLE_DEVICES=0 "$sg" -m accelerate.commands.launch --config_file accelerate_configs/single_process.yaml \
+  launch/train.py output_dir="$run" model.name_or_path="$model" rollout.backend=sglang rollout.colocate=true \
+  "rollout.urls=[http://127.0.0.1:$port]" weight_sync.method=tensor weight_sync.dtype=bfloat16 \
+  rollout.prompts_per_batch=8 rollout.group_size=4 rollout.max_new_tokens=32 trainer.total_frames=96 \
+  trainer.micro_batch_completions=32 trainer.progress_bar=false checkpoint.interval_frames=null \
+  >"$out/train_colocated.log" 2>&1 \
+  && verdict PASS "colocated GRPO job (memory released and resumed around each push): $(grep -o '"iterations": [0-9]*' "$run/summary.json") ($((SECONDS - start)) s)" \
+  || { verdict FAIL "colocated GRPO job: tail $out/train_colocated.log"; exit 1; }
 "$sg" launch/check_sglang.py --url "http://127.0.0.1:$port" --run "$run"
 verdict PASS "done in $((SECONDS - start)) s"

@@ -108,6 +108,8 @@ def build_trainer(cfg: GRPOConfig):
         checkpoint_rotation=CheckpointRotation(c.keep_last, c.keep_best, c.best_metric, c.best_mode),
         checkpoint_metadata=lambda: {"config": to_dict(cfg)},
     )
+    if r.colocate:  # the servers free their GPU memory for the optimiser steps; the next push takes it back
+        trainer.register_op("pre_optim", lambda _: sender.release_memory(), "release_colocated_servers")
     if cfg.eval.every_iterations:
         evaluator = Evaluator(engine, tokenizer, held_out, rewards, every=cfg.eval.every_iterations, k=cfg.eval.k,
                               prompt_field=cfg.data.prompt_field, system_prompt=cfg.data.system_prompt,
@@ -128,14 +130,22 @@ def build_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
 
     r, w = cfg.rollout, cfg.weight_sync
     if r.backend == "sglang":
+        from grpo_accel.config import ConfigError
         from grpo_accel.rollout.sglang import SGLangEngine
         from grpo_accel.weight_sync import sglang as senders
 
         engine = SGLangEngine(r.urls, tokenizer, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                               top_p=r.top_p, top_k=r.top_k, api_key=r.api_key, health_timeout_s=r.health_timeout_s,
-                              retries=r.request_retries)
+                              retries=r.request_retries, request_size=r.request_size,
+                              request_timeout_s=r.request_timeout_s)
+        saving = [i.url for i in engine.servers if not i.memory_saver]
+        if r.colocate and saving:
+            raise ConfigError(f"rollout.colocate=true: {', '.join(saving)} runs without --enable-memory-saver, so it "
+                              "cannot free its GPU memory for training; start it with that flag, or set "
+                              "rollout.colocate=false.")
         common = dict(api_key=r.api_key, admin_api_key=w.admin_api_key, bucket_mb=w.bucket_mb, dtype=getattr(torch, w.dtype),
-                      max_attempts=w.max_attempts, verify_tensors=w.verify_tensors, timeout_s=w.timeout_s)
+                      max_attempts=w.max_attempts, verify_tensors=w.verify_tensors, timeout_s=w.timeout_s,
+                      pause_mode=w.pause_mode)
         if w.method == "distributed":
             sender = senders.DistributedWeightSender(accelerator, model, r.urls, master_address=w.master_address,
                                                      master_port=w.master_port, backend=w.backend, layout=w.layout,

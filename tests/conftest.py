@@ -35,3 +35,42 @@ def smollm2():
     folder = Path(os.environ.get("GRPO_ACCEL_MODEL_CACHE", Path.home() / ".cache" / "grpo_accel" / "models"))
     folder = folder / "smollm2-135m"
     return folder if (folder / "config.json").exists() else convert("smollm2-135m", folder)
+
+
+# ----------------------------------------------------------------- SGLang stand-ins shared by the session
+
+def save_model(path, model, tokenizer):
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory, tokenizer):
+    """The built-in tiny Llama: SGLang's Llama implements /get_weights_by_name."""
+    from grpo_accel.tasks.tiny import build_tiny_model
+
+    return save_model(tmp_path_factory.mktemp("llama"), build_tiny_model(tokenizer, seed=0), tokenizer)
+
+
+@pytest.fixture(scope="session")
+def servers(model_dir):
+    """The SGLang stand-ins (tests/sglang_standin.py) the tests share: one process per model and release (a start
+    costs ~3 s), started at the first test that asks."""
+    from sglang_source import VERSIONS
+    from standin import SharedServers
+
+    shared = SharedServers()
+    for version in VERSIONS:
+        shared.start(model_dir, version)  # both at once: their start-ups overlap
+    yield shared
+    shared.close()
+
+
+@pytest.fixture
+def fresh_server(servers, model_dir):
+    """``fresh_server(version)``: the URL of the shared stand-in of that release, serving the tiny Llama with
+    --deterministic, reset to its state at start (a start costs ~3 s; a reset nothing)."""
+    from standin import NEWEST
+
+    return lambda version=NEWEST: servers.get(model_dir, "--deterministic", version=version)

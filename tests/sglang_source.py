@@ -46,6 +46,7 @@ FILES = (
     "sglang/srt/weight_sync/tensor_bucket.py",
     "sglang/srt/sampling/sampling_params.py",
     "sglang/api/v1/api_types.py",
+    "sglang/srt/managers/tokenizer_manager.py",
 )
 
 
@@ -53,7 +54,8 @@ def source_dir(version: str) -> Path:
     """The unpacked files of sglang==version (FILES and srt/models/), downloaded on first use."""
     root = Path(os.environ.get("GRPO_ACCEL_SGLANG_SRC", Path.home() / ".cache" / "grpo_accel" / "sglang-src"))
     folder = root / version
-    if (folder / ".complete").exists():
+    marker = folder / ".complete"
+    if marker.exists() and marker.read_text() == "\n".join(FILES):  # an older cache may lack a file added since
         return folder
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
@@ -68,7 +70,7 @@ def source_dir(version: str) -> Path:
             for name in wheel.namelist():
                 if name in FILES or (name.startswith("sglang/srt/models/") and name.endswith(".py")):
                     wheel.extract(name, folder)
-    (folder / ".complete").touch()
+    marker.write_text("\n".join(FILES))
     return folder
 
 
@@ -279,6 +281,19 @@ class SGLangSource:
             state = "closed" if isinstance(first.test.ops[0], ast.Is) else "open"
             guards[node.name] = SessionGuard(state, message)
         return guards
+
+    @functools.cached_property
+    def total_tokens_refused_at(self) -> str:
+        """How ``TokenizerManager._validate_one_request`` (srt/managers/tokenizer_manager.py) compares prompt +
+        max_new_tokens with the context length: ">=" (0.5.9: a request must stay below it) or ">" (0.5.23: it may
+        fill it). A prompt alone is refused at ``>=`` in both."""
+        import re
+
+        match = re.search(r"\(max_new_tokens \+ input_token_num\) (>=|>) _max_req_len",
+                          self.text("sglang/srt/managers/tokenizer_manager.py"))
+        if match is None:
+            raise RuntimeError(f"SGLang {self.version}: the context-length rule is not where it was")
+        return match.group(1)
 
     @functools.cached_property
     def weights_by_name_architectures(self) -> set[str]:

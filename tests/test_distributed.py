@@ -161,15 +161,24 @@ def test_bf16_under_zero3_learns_with_finite_loss(tmp_path):
 
 
 def test_slurm_script_runs_two_machines_of_one_process(single, tmp_path):
-    """launch/slurm.sbatch under stand-ins for srun/scontrol that start its two tasks (two "machines" of one
-    process each, on 127.0.0.1) the way SLURM would; each runs launch/multinode.sh -> accelerate launch."""
+    """launch/slurm.sbatch under stand-ins for srun/scontrol that start its two tasks the way SLURM would, on two
+    "machines" of one process each: two network namespaces with addresses of their own (tests/netns.py), so the
+    run crosses a network; each runs launch/multinode.sh -> accelerate launch. It gives the 1-process curves."""
+    from netns import two_hosts
+
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho 127.0.0.1\necho 127.0.0.1\n")
+    with two_hosts() as hosts:
+        _slurm_run(hosts, bin_dir, tmp_path, single)
+
+
+def _slurm_run(hosts, bin_dir, tmp_path, single):
+    node = [" ".join(hosts.prefix(i)) for i in (0, 1)]
+    (bin_dir / "scontrol").write_text(f"#!/usr/bin/env bash\necho {hosts.addresses[0]}\necho {hosts.addresses[1]}\n")
     (bin_dir / "srun").write_text(
-        "#!/usr/bin/env bash\n"  # drop srun's own options, run the command once per node in parallel
+        "#!/usr/bin/env bash\n"  # drop srun's own options, run the command once per node (namespace) in parallel
         "while [[ $1 == --* ]]; do shift; done\n"
-        "SLURM_NODEID=0 \"$@\" & a=$!\nSLURM_NODEID=1 \"$@\" & b=$!\n"
+        f"SLURM_NODEID=0 {node[0]} \"$@\" & a=$!\nSLURM_NODEID=1 {node[1]} \"$@\" & b=$!\n"
         "wait $a; ra=$?; wait $b; rb=$?; exit $(( ra | rb ))\n"
     )
     for shim in bin_dir.iterdir():

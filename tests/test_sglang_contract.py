@@ -25,7 +25,7 @@ def every_request(session: bool):
         api.generate([[1, 2, 3], [1, 2, 3]], [api.sampling_params(8, 0.7, 0.9, 0, seed=5),
                                               api.sampling_params(8, 0.0, 1.0, 20, seed=None)]),
         api.prompt_logprobs(list(range(1, 33))),
-        api.pause_generation(), api.continue_generation(),
+        *(api.pause_generation(mode) for mode in api.PAUSE_MODES), api.continue_generation(),
         api.init_weights_update_group("10.0.0.1", 29600, 1, 3, "weight_update_group-ab12cd34-1", "nccl"),
         api.destroy_weights_update_group("weight_update_group-ab12cd34-1"),
         api.update_weights_from_distributed(["model.embed_tokens.weight", "lm_head.weight"], ["bfloat16"] * 2,
@@ -105,6 +105,17 @@ def test_topologies_sglang_cannot_update_are_refused_up_front(field, flag):
     info = api.ServerInfo.from_json("http://s", {"version": "0.5.23", field: 2})
     with pytest.raises(RuntimeError, match=f"runs with {flag} 2"):
         info.check_weight_updates()
+
+
+def test_dp_attention_and_disk_updates_are_served_at_any_dp_size():
+    """SGLang asserts ``dp_size == 1 or enable_dp_attention`` for distributed/tensor updates and nothing of the
+    kind for disk updates (the sources cited in grpo_accel.sglang_api)."""
+    replicas = api.ServerInfo.from_json("http://s", {"version": "0.5.9", "dp_size": 2})
+    with pytest.raises(RuntimeError, match="unless it runs --enable-dp-attention"):
+        replicas.check_weight_updates("tensor")
+    replicas.check_weight_updates("disk")
+    api.ServerInfo.from_json("http://s", {"version": "0.5.9", "dp_size": 2, "enable_dp_attention": True}
+                             ).check_weight_updates("distributed")
 
 
 JOINER = """

@@ -57,7 +57,26 @@ def _split_tied_groups(td: TensorDict, group_size: int) -> tuple[list[TensorDict
     return [g for g, t in zip(groups, tied) if not t], [g for g, t in zip(groups, tied) if t]
 
 
+def check_context(prompts: list[list[int]], limit: int | None, max_new_tokens: int,
+                  max_prompt_tokens: int | None) -> None:
+    """Refuse, before the first batch, a prompt that cannot be followed by ``max_new_tokens`` within the engine's
+    context (``limit`` tokens per sequence)."""
+    if limit is None or not prompts:
+        return
+    row = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    longest = len(prompts[row])
+    if longest + max_new_tokens > limit:
+        raise DataError(
+            f"rollout.max_new_tokens={max_new_tokens}: the longest prompt (row {row}, {longest} tokens) and that many "
+            f"new tokens exceed the {limit} tokens a sequence may hold (SGLang: the servers' shortest context less "
+            f"one; embedded: the model's max_position_embeddings). Lower rollout.max_new_tokens to "
+            f"{max(limit - longest, 0)} or less, or rollout.max_prompt_tokens (now {max_prompt_tokens}) below "
+            f"{longest} so that such rows are refused when loaded, or serve a longer context (--context-length).")
+
+
 class RolloutEngine(Protocol):
+    """``context_limit`` (optional): the most prompt + completion tokens one sequence may hold (None: no limit)."""
+
     weight_version: int
 
     def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int] | None = None) -> TensorDict: ...
@@ -154,6 +173,8 @@ class GRPOCollector:
             self.prompts = encode_prompts(rows, tokenizer, prompt_field=prompt_field, system_prompt=system_prompt,
                                           max_tokens=max_prompt_tokens)
         self._warn_unknown_tokens()
+        check_context(self.prompts.ids, getattr(engine, "context_limit", None), getattr(engine, "max_new_tokens", 0),
+                      max_prompt_tokens)
 
     def shard(self, rank: int, world_size: int, sync_any: Callable[[bool], bool]) -> None:
         """Collect process ``rank``'s share of each global batch from now on (the trainer calls this for a

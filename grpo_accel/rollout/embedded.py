@@ -97,6 +97,15 @@ class EmbeddedEngine:
         return self.settings.pad_id
 
     @property
+    def max_new_tokens(self) -> int:
+        return self.settings.max_new_tokens
+
+    @property
+    def context_limit(self) -> int | None:
+        """The most prompt + completion tokens one sequence may hold: the model's ``max_position_embeddings``."""
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+    @property
     def collective(self) -> bool:
         """Whether every process must call :meth:`generate` together (ZeRO-3 partitions the weights over them)."""
         from grpo_accel.rollout.decode import zero3_group
@@ -159,6 +168,7 @@ class EmbeddedEngine:
             K.ENGINE_LOGPROBS: (logprobs * completion_mask).float().cpu(),
             K.FINISH_REASON: finish.cpu(),
             K.WEIGHT_VERSION: torch.full((n,), version, dtype=torch.long),
+            K.WEIGHT_VERSION_LAST: torch.full((n,), version, dtype=torch.long),  # the lock keeps pushes out
         }, batch_size=[n])
 
     def close(self) -> None:

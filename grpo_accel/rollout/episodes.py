@@ -138,6 +138,7 @@ class _Episode:
     env: Environment
     messages: list[dict]
     key: int  # its random stream: later turns draw with keys derived from it
+    room: int | None  # tokens after the prompt at most: the episode budget and the engine's context, if any
     tokens: list[int] = field(default_factory=list)  # after the prompt: model and environment tokens
     model: list[int] = field(default_factory=list)  # 1 where the model wrote the token
     logprobs: list[float] = field(default_factory=list)
@@ -145,7 +146,8 @@ class _Episode:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
-    version: int | None = None
+    version: int | None = None  # the oldest weights of any of its tokens
+    last_version: int = 0  # the newest
     finish: int | None = None
     env_rewards: dict[str, float] = field(default_factory=dict)
 
@@ -160,7 +162,8 @@ class EpisodeRunner:
         max_turns: model turns per episode at most; an episode still calling tools after them is cut
             (finish reason "length").
         max_episode_tokens: tokens after the prompt (the model's and the environment's) at most; None: no limit
-            besides ``max_turns`` x the engine's ``max_new_tokens``.
+            besides ``max_turns`` x the engine's ``max_new_tokens``. An engine's ``context_limit`` (prompt +
+            episode tokens one sequence may hold) bounds it too: an episode whose context is full ends "length".
         sync_any: under several processes, True on every process when any passes True. With an engine whose
             ``collective`` is true (embedded under ZeRO-3: generation gathers weights from every process), every
             process then takes the same number of turns, idle ones on a throwaway row; other engines' processes
@@ -191,11 +194,14 @@ class EpisodeRunner:
         seeds = seeds if seeds is not None else torch.randint(0, 2**40, (len(rows),)).tolist()
         prompt_ids, first_messages = prompts.ids, prompts.messages
         episodes = []
-        for row, messages, seed in zip(rows, first_messages, seeds):
+        context = getattr(self.engine, "context_limit", None)
+        for row, messages, seed, prompt in zip(rows, first_messages, seeds, prompt_ids):
+            rooms = [r for r in (self.max_episode_tokens, None if context is None else context - len(prompt))
+                     if r is not None]
             for j in range(group_size):
                 env = self.environment()
                 env.reset(row)
-                episodes.append(_Episode(env, list(messages), key=seed * group_size + j))
+                episodes.append(_Episode(env, list(messages), key=seed * group_size + j, room=min(rooms, default=None)))
         row_prompts = [p for p in prompt_ids for _ in range(group_size)]
         td = self.engine.generate(prompt_ids, group_size, seeds=seeds, greedy=greedy)  # the first turn
         active = list(range(len(episodes)))
@@ -228,17 +234,19 @@ class EpisodeRunner:
         """Append each episode's new model turn (row i of ``td``), cut to the token budget."""
         if td is None:
             return
-        for ep, ids, mask, logp, reason, version in zip(episodes, td[K.COMPLETION_IDS], td[K.COMPLETION_MASK],
-                                                         td[K.ENGINE_LOGPROBS], td[K.FINISH_REASON],
-                                                         td[K.WEIGHT_VERSION]):
+        last_versions = td.get(K.WEIGHT_VERSION_LAST, td[K.WEIGHT_VERSION])
+        for ep, ids, mask, logp, reason, version, last in zip(episodes, td[K.COMPLETION_IDS], td[K.COMPLETION_MASK],
+                                                               td[K.ENGINE_LOGPROBS], td[K.FINISH_REASON],
+                                                               td[K.WEIGHT_VERSION], last_versions):
             n = int(mask.sum())
-            room = n if self.max_episode_tokens is None else min(n, self.max_episode_tokens - len(ep.tokens))
+            room = n if ep.room is None else max(0, min(n, ep.room - len(ep.tokens)))
             ep.turn_ids = ids[:room].tolist()
             ep.tokens += ep.turn_ids
             ep.model += [1] * room
             ep.logprobs += logp[:room].tolist()
             ep.turns += 1
             ep.version = int(version) if ep.version is None else min(ep.version, int(version))
+            ep.last_version = max(ep.last_version, int(last))
             stopped = room == n and int(reason) == K.FINISH_STOP
             text = self.tokenizer.decode(ep.turn_ids, skip_special_tokens=True)
             ep.messages.append({"role": "assistant", "content": text})
@@ -257,7 +265,7 @@ class EpisodeRunner:
                 ep.finish = K.FINISH_STOP
                 continue
             between = self.renderer.between(step.messages)
-            over = self.max_episode_tokens is not None and len(ep.tokens) + len(between) >= self.max_episode_tokens
+            over = ep.room is not None and len(ep.tokens) + len(between) >= ep.room  # no room for a model token
             if ep.turns >= self.max_turns or over:
                 ep.finish = K.FINISH_LENGTH  # the model never reads this answer: not part of the episode
                 continue
@@ -281,6 +289,7 @@ class EpisodeRunner:
             K.ENGINE_LOGPROBS: K.pad_sequences([ep.logprobs for ep in episodes], 0.0, "right", dtype=torch.float32),
             K.FINISH_REASON: count("finish"),
             K.WEIGHT_VERSION: count("version"),
+            K.WEIGHT_VERSION_LAST: count("last_version"),
             K.EPISODE: TensorDict({"turns": count("turns"), "tool_calls": count("tool_calls"),
                                    "tool_errors": count("tool_errors")}, batch_size=[n]),
         }, batch_size=[n])

@@ -2,15 +2,23 @@
 
 Each prompt is repeated ``group_size`` times with its own ``sampling_seed`` (completion j of a prompt with seed
 s). SGLang honours the seed only on a server started with ``--enable-deterministic-inference``; without it the
-rollouts are not reproducible, and the engine says so once at start. Prompts are spread over the servers (one
-per engine replica) in contiguous chunks, sent concurrently; engine logprobs are SGLang's
-``output_token_logprobs``, ``log_softmax(logits / temperature)`` before top-k/top-p, exactly what the loss
-divides by the temperature for.
+rollouts are not reproducible, and the engine says so once at start. Completions are spread over the servers
+(one per engine replica) in contiguous shares, each share cut into requests of at most ``request_size``
+completions, all sent at once; engine logprobs are SGLang's ``output_token_logprobs``,
+``log_softmax(logits / temperature)`` before top-k/top-p, exactly what the loss divides by the temperature for.
+
+Partial rollouts: a weight push may land while a completion is generated. Pushed with ``retract`` (the default,
+see :mod:`grpo_accel.weight_sync.sglang`), the server keeps it and finishes it with the new weights; pushed with
+``abort``, it comes back cut short and is continued here from prompt + what it had, with the budget left. Either
+way every token keeps the logprob of the weights that drew it, and the row records the oldest version (the
+server's when its first request was sent, for the staleness bound) and the newest (``weight_version_last``).
 """
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
+from dataclasses import dataclass, field
 
 import torch
 from tensordict import TensorDict
@@ -22,6 +30,24 @@ from grpo_accel.http import HTTPClient, ServerError
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class _Completion:
+    """One completion being generated, possibly over several requests (a continuation after an abort)."""
+
+    prompt: list[int]
+    params: dict  # sampling parameters, max_new_tokens = the whole budget
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: int | None = None
+    first_version: int | None = None
+    last_version: int = 0
+    stalls: int = 0  # aborts in a row that brought no token
+
+    @property
+    def budget_left(self) -> int:
+        return self.params["max_new_tokens"] - len(self.ids)
+
+
 class SGLangEngine:
     """The rollout engine protocol (``generate``, ``weight_version``, ``pad_id``) over SGLang servers.
 
@@ -31,94 +57,167 @@ class SGLangEngine:
         max_new_tokens, temperature, top_p, top_k: sampling parameters sent to SGLang.
         api_key: sent as ``Authorization: Bearer <key>`` (the server's ``--api-key``).
         health_timeout_s: wait this long for ``/health`` on every server at start; then each server's release
-            is read from ``/server_info`` (which also proves the key) and checked against the supported range.
-        retries: attempts after the first for 5xx answers, unreachable servers and aborted requests.
+            is read from ``/server_info`` (which also proves the key) and checked against the supported range,
+            and its context length from ``/v1/models``.
+        retries: attempts after the first for 5xx answers, unreachable servers and timeouts (each request on
+            its own), and for aborts that brought no new token.
+        request_size: completions per HTTP request at most; a server's share goes out as several at once.
+        request_timeout_s: seconds one request may take before it is sent again (a retry).
+        report_every_s: while requests are outstanding, a line this often says which, on which server.
 
     Example:
         >>> engine = SGLangEngine(["http://10.0.0.2:30000"], tokenizer, max_new_tokens=512)
         >>> rollout = engine.generate([[1, 2, 3]], group_size=8, seeds=[7])
     """
 
+    remote = True
+    """Generation runs in the servers' processes: the trainer's collectives (ZeRO-3's gathers) never wait for it,
+    so collection may run in a background thread under any ZeRO stage."""
+
     def __init__(self, urls: list[str], tokenizer, *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, api_key: str | None = None, health_timeout_s: float = 300.0,
-                 retries: int = 3, timeout_s: float = 600.0, backoff_s: float = 0.5) -> None:
+                 retries: int = 3, request_size: int = 64, request_timeout_s: float = 600.0, backoff_s: float = 0.5,
+                 report_every_s: float = 30.0) -> None:
         if not urls:
             raise ValueError("SGLangEngine: rollout.urls is empty; list the SGLang servers, e.g. [http://host:30000].")
-        self.clients = [HTTPClient(u, api_key, timeout_s, retries, backoff_s) for u in urls]
+        self.clients = [HTTPClient(u, api_key, request_timeout_s, retries, backoff_s) for u in urls]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_id, self.retries = tokenizer.eos_token_id, retries
         self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
+        self.request_size, self.report_every_s = request_size, report_every_s
         self.weight_version = 0
         for client in self.clients:
             client.wait_healthy(health_timeout_s)
         self.servers = [api.read_server_info(c) for c in self.clients]
         for info in self.servers:
             info.check_supported()
+        contexts = [api.read_context_length(c) for c in self.clients]
+        self.context_length = min(contexts)  # the shortest of the servers' contexts
+        logger.info("SGLang servers: %s", ", ".join(f"{c.url} (SGLang {'.'.join(map(str, i.version))}, tp "
+                                                    f"{i.tp_size}, context {n})"
+                                                    for c, i, n in zip(self.clients, self.servers, contexts)))
         random = [i.url for i in self.servers if not i.deterministic]
         if random:
             logger.warning("sampling_seed is ignored by %s (started without --enable-deterministic-inference): "
                            "rollouts are not reproducible. Start the servers with that flag to make them so.",
                            ", ".join(random))
 
+    @property
+    def context_limit(self) -> int:
+        """The most prompt + completion tokens one sequence may hold on every server: one less than the context,
+        as 0.5.9 refuses a request that fills it (0.5.23 would take one more)."""
+        return self.context_length - 1
+
     def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int] | None = None,
                  greedy: bool = False) -> TensorDict:
-        """Rollout TensorDict [len(prompt_ids) * group_size], the same keys as the embedded engine's."""
+        """Rollout TensorDict [len(prompt_ids) * group_size], the same keys as the embedded engine's. A
+        completion whose context is full before it starts comes back empty with finish reason "length"."""
         if seeds is None:
             seeds = torch.randint(0, 2**56, (len(prompt_ids),)).tolist()
-        n = len(self.clients)
-        bounds = [len(prompt_ids) * i // n for i in range(n + 1)]  # contiguous chunk per server
-        jobs = [(c, prompt_ids[a:b], seeds[a:b]) for c, a, b in zip(self.clients, bounds, bounds[1:]) if b > a]
-        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-            parts = list(pool.map(lambda job: self._request(*job, group_size, greedy), jobs))
-        items = [item for part in parts for item in part]
-        return self._to_rollout([p for p in prompt_ids for _ in range(group_size)], items)
-
-    def _request(self, client: HTTPClient, prompts: list[list[int]], seeds: list[int], group_size: int,
-                 greedy: bool) -> list[dict]:
         temperature = 0.0 if greedy else self.temperature
-        params = [api.sampling_params(self.max_new_tokens, temperature, self.top_p, self.top_k,
-                                      seed=(seed * group_size + j) % 2**31)
-                  for seed in seeds for j in range(group_size)]
-        request = api.generate([p for p in prompts for _ in range(group_size)], params)
-        for attempt in range(self.retries + 1):
+        completions = []
+        for prompt, seed in zip(prompt_ids, seeds):
+            budget = min(self.max_new_tokens, self.context_limit - len(prompt))
+            for j in range(group_size):
+                params = api.sampling_params(max(budget, 0), temperature, self.top_p, self.top_k,
+                                             seed=(seed * group_size + j) % 2**31)
+                completions.append(_Completion(list(prompt), params, finish=K.FINISH_LENGTH if budget <= 0 else None))
+        self._run([c for c in completions if c.finish is None])
+        return self._to_rollout(completions)
+
+    # -- requests ------------------------------------------------------------------------------------------
+
+    def _run(self, completions: list[_Completion]) -> None:
+        """Generate ``completions``: contiguous shares per server, requests of at most ``request_size``, all at
+        once; a line every ``report_every_s`` while some are outstanding."""
+        n = len(self.clients)
+        bounds = [len(completions) * i // n for i in range(n + 1)]
+        requests = [(client, completions[a + k : min(a + k + self.request_size, b)])
+                    for client, a, b in zip(self.clients, bounds, bounds[1:]) for k in range(0, b - a, self.request_size)]
+        if not requests:
+            return
+        start = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(min(64, len(requests)), thread_name_prefix="sglang") as pool:
+            futures = {pool.submit(self._complete, client, part): (client, part) for client, part in requests}
+            pending = set(futures)
+            while pending:
+                done, pending = concurrent.futures.wait(pending, timeout=self.report_every_s,
+                                                        return_when=concurrent.futures.FIRST_EXCEPTION)
+                for future in done:
+                    future.result()  # a request that failed after its retries fails the batch, naming it
+                if pending:
+                    self._report(start, [futures[f] for f in pending], len(requests))
+
+    def _report(self, start: float, outstanding: list[tuple[HTTPClient, list[_Completion]]], total: int) -> None:
+        per_server: dict[str, list[int]] = {}
+        for client, part in outstanding:
+            per_server.setdefault(client.url, []).append(sum(c.finish is None for c in part))
+        logger.info("SGLang: %d of %d requests outstanding after %.0f s: %s", len(outstanding), total,
+                    time.monotonic() - start, "; ".join(f"{url}: {len(n)} requests, {sum(n)} completions"
+                                                        for url, n in per_server.items()))
+
+    def _complete(self, client: HTTPClient, part: list[_Completion]) -> None:
+        """Send ``part`` as one request; what comes back aborted (a push paused the server with ``abort``) is
+        continued from prompt + its tokens so far with the budget left, until every completion finished."""
+        todo = part
+        while todo:
+            version = _version(api.read_weight_version(client))  # no token of this request is older
+            request = api.generate([c.prompt + c.ids for c in todo],
+                                   [{**c.params, "max_new_tokens": c.budget_left} for c in todo])
             items = client.post(*request)
             items = items if isinstance(items, list) else [items]
-            aborted = [it["meta_info"]["finish_reason"] for it in items if it["meta_info"]["finish_reason"]["type"] == "abort"]
-            if not aborted:
-                return items
-            logger.warning("%s aborted %d requests (%s); retry %d/%d", client.url, len(aborted),
-                           aborted[0].get("message"), attempt + 1, self.retries)
-        raise ServerError(f"{client.url}: /generate kept aborting ({aborted[0].get('message')}, "
-                          f"status {aborted[0].get('status_code')}) after {self.retries} retries.")
+            for c, item in zip(todo, items):
+                self._take(client, c, item, version)
+            stalled = [(c, item) for c, item in zip(todo, items) if c.finish is None and not item["output_ids"]]
+            todo = [c for c in todo if c.finish is None]
+            if stalled:  # aborted before they generated: sent again after a backoff, at most `retries` times
+                stalls = max(c.stalls for c, _ in stalled)
+                logger.warning("%s aborted %d requests before they generated (%s); retry %d/%d", client.url,
+                               len(stalled), stalled[0][1]["meta_info"]["finish_reason"].get("message"), stalls,
+                               self.retries)
+                time.sleep(client.backoff_s * 2 ** (stalls - 1))
 
-    def _to_rollout(self, prompts: list[list[int]], items: list[dict]) -> TensorDict:
-        completions, logprobs, finish, versions = [], [], [], []
-        for item in items:
-            ids, meta = item["output_ids"], item["meta_info"]
-            pairs = meta["output_token_logprobs"]
-            if [int(p[1]) for p in pairs] != list(ids):
-                raise ServerError(f"request {meta.get('id')}: output_token_logprobs do not match output_ids; "
-                                  "the server must return logprobs for every generated token (return_logprob).")
-            completions.append(ids)
-            logprobs.append([float(p[0]) for p in pairs])
-            finish.append(K.FINISH_REASONS[meta["finish_reason"]["type"]])
-            versions.append(_version(meta.get("weight_version")))
-        n = len(items)
-        prompt_ids, prompt_mask = K.padded(prompts, self.pad_id, "left")
-        completion_ids, completion_mask = K.padded(completions, self.pad_id, "right")
+    def _take(self, client: HTTPClient, c: _Completion, item: dict, version: int) -> None:
+        ids, meta = item["output_ids"], item["meta_info"]
+        pairs = meta["output_token_logprobs"] if ids else []
+        if [int(p[1]) for p in pairs] != list(ids):
+            raise ServerError(f"request {meta.get('id')}: output_token_logprobs do not match output_ids; "
+                              "the server must return logprobs for every generated token (return_logprob).")
+        c.ids += list(ids)
+        c.logprobs += [float(p[0]) for p in pairs]
+        c.first_version = version if c.first_version is None else c.first_version
+        c.last_version = max(c.last_version, _version(meta.get("weight_version")), version)
+        reason = meta["finish_reason"]
+        if reason["type"] != "abort":
+            c.finish = K.FINISH_REASONS[reason["type"]]
+        elif c.budget_left <= 0:
+            c.finish = K.FINISH_LENGTH
+        else:
+            c.stalls = 0 if ids else c.stalls + 1
+            if c.stalls > self.retries:
+                raise ServerError(f"{client.url}: /generate kept aborting without generating ({reason.get('message')}"
+                                  f", status {reason.get('status_code')}) after {self.retries} retries.")
+
+    def _to_rollout(self, completions: list[_Completion]) -> TensorDict:
+        n = len(completions)
+        prompt_ids, prompt_mask = K.padded([c.prompt for c in completions], self.pad_id, "left")
+        completion_ids, completion_mask = K.padded([c.ids for c in completions], self.pad_id, "right")
+        first = [c.first_version if c.first_version is not None else self.weight_version for c in completions]
         return TensorDict({
             K.PROMPT_IDS: prompt_ids,
             K.PROMPT_MASK: prompt_mask,
             K.COMPLETION_IDS: completion_ids,
             K.COMPLETION_MASK: completion_mask,
-            K.ENGINE_LOGPROBS: K.pad_sequences(logprobs, 0.0, "right", dtype=torch.float32),
-            K.FINISH_REASON: torch.tensor(finish, dtype=torch.long),
-            K.WEIGHT_VERSION: torch.tensor(versions, dtype=torch.long),
+            K.ENGINE_LOGPROBS: K.pad_sequences([c.logprobs for c in completions], 0.0, "right", dtype=torch.float32),
+            K.FINISH_REASON: torch.tensor([c.finish for c in completions], dtype=torch.long),
+            K.WEIGHT_VERSION: torch.tensor(first, dtype=torch.long),
+            K.WEIGHT_VERSION_LAST: torch.tensor([max(c.last_version, f) for c, f in zip(completions, first)],
+                                                dtype=torch.long),
         }, batch_size=[n])
 
 
 def _version(value) -> int:
-    """SGLang reports weight_version as a string; ours are integers."""
+    """SGLang reports weight_version as a string ("default" before any update); ours are integers."""
     try:
         return int(value)
     except (TypeError, ValueError):

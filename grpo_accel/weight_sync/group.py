@@ -10,11 +10,22 @@ broadcast hangs (NCCL, whose communicator is made lazily).
 The store is hosted once per trainer process; each group made on it gets a fresh name (:meth:`new_name`), so a
 group torn down after a failure never shares keys with the one that replaces it, and a restarted trainer never
 meets the name of a group its predecessor left on a server.
+
+Where it listens: by default the trainer's own address on the route to the first server
+(:func:`address_towards`), the one address of this machine that server is sure to reach; a gloo group binds the
+interface that holds it (gloo would otherwise bind what the hostname resolves to, or the loopback device, which
+a server on another machine cannot reach), unless ``GLOO_SOCKET_IFNAME`` says otherwise.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import socket
+import struct
 import uuid
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -51,11 +62,26 @@ class WeightUpdateGroup:
 
     def join(self, name: str) -> None:
         """Make the group ``name`` as rank 0; blocks until every rank joined (gloo) or returns at once (NCCL)."""
-        group, _ = c10d._new_process_group_helper(self.world_size, 0, [], self.backend,
-                                                  c10d.PrefixStore(name, self.store), group_name=name,
-                                                  timeout=self.timeout)
+        with self._bound():
+            group, _ = c10d._new_process_group_helper(self.world_size, 0, [], self.backend,
+                                                      c10d.PrefixStore(name, self.store), group_name=name,
+                                                      timeout=self.timeout)
         c10d._world.pg_group_ranks[group] = {i: i for i in range(self.world_size)}  # as SGLang registers its side
         self.group, self.name = group, name
+
+    @contextlib.contextmanager
+    def _bound(self):
+        """gloo: the group's device on the interface that holds ``address`` (``GLOO_SOCKET_IFNAME`` is read when
+        the group is made; the training group, made earlier, keeps its own)."""
+        interface = interface_of(self.address) if self.backend == "gloo" else None
+        if interface is None or "GLOO_SOCKET_IFNAME" in os.environ:
+            yield
+            return
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+        try:
+            yield
+        finally:
+            del os.environ["GLOO_SOCKET_IFNAME"]
 
     def store_keys(self, name: str) -> str:
         """Where the ranks of group ``name`` meet, for error messages."""
@@ -76,3 +102,26 @@ class WeightUpdateGroup:
             self.group.abort()
         dist.destroy_process_group(self.group)
         self.group = self.name = None
+
+
+def address_towards(url: str) -> str:
+    """This machine's address on the route to ``url``'s host (no packet is sent: a UDP socket is connected)."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    family, _, _, _, target = socket.getaddrinfo(host, port, proto=socket.IPPROTO_UDP)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        sock.connect(target)
+        return sock.getsockname()[0]
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the local network interface that holds the IPv4 ``address`` (None: none does, or not IPv4)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                raw = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    return None

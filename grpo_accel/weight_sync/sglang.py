@@ -9,14 +9,14 @@ Distributed path (every training rank calls ``update_weights``; rank 0 talks to 
               POST /init_weights_update_group  ──────────►  init_custom_process_group: joins the store's
                                                             PrefixStore(<name>) as ranks offset..offset+tp-1
     per update:
-    POST /pause_generation {mode: abort}  ───────────────►  stop scheduling (aborted requests are generated again)
+    POST /pause_generation {mode: retract}  ─────────────►  in-flight requests wait, keeping their tokens
     POST /begin_weight_update  ──────────────────────────►  (0.5.21+ only: updates are refused outside a session)
     for each bucket (all ranks gather it; ZeRO-3):
         POST /update_weights_from_distributed ───────────►  (request not awaited yet)
              {names, dtypes, shapes, group_name, flush_cache, weight_version, load_format}
         broadcast tensor 1..k (or one uint8 buffer) ─────►  receive in names order, load
         await the reply  ◄───────────────────────────────  {success, message}
-    POST /end_weight_update, POST /continue_generation ──►
+    POST /end_weight_update, POST /continue_generation ──►  they go on with the new weights (KV recomputed)
     at the end: POST /destroy_weights_update_group
 
 A refused or failed bucket can leave a broadcast that a server never joined: the group is then torn down on both
@@ -25,6 +25,12 @@ unknown, so everything is pushed again (``max_attempts``), then the sender raise
 trainer saves a checkpoint before stopping). After a push, rank 0 checks the servers against the trainer:
 ``/get_weights_by_name`` where the served model implements it, else the logprobs of a fixed probe sequence and the
 weight version the server reports (both gathered / computed on every rank, so ZeRO-3 is checked too).
+
+Pausing: ``retract`` (the default) keeps every in-flight request on the server with its tokens and logprobs and
+lets it finish under the new weights, and the cache flush that ends an update succeeds (SGLang's running batch
+is empty then: ``Scheduler.pause_generation`` / ``flush_cache``, srt/managers/scheduler.py); ``abort`` returns
+them cut short and the engine continues them from what they had (:mod:`grpo_accel.rollout.sglang`), which costs
+a request per push; ``in_place`` is not offered, its requests stay in the running batch and the flush fails.
 """
 from __future__ import annotations
 
@@ -43,7 +49,7 @@ from grpo_accel import sglang_api as api
 from grpo_accel.distributed import any_process, gathered_parameters
 from grpo_accel.http import HTTPClient, ServerError
 from grpo_accel.weight_sync.gather import BucketedGather
-from grpo_accel.weight_sync.group import WeightUpdateGroup
+from grpo_accel.weight_sync.group import WeightUpdateGroup, address_towards
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +76,14 @@ class _Sender:
     """
 
     uses_session = False  # /update_weights_from_distributed and _from_tensor need one from 0.5.21 on
+    method = "distributed"  # as SGLang's dp rule names it (sglang_api.ServerInfo.check_weight_updates)
 
     def __init__(self, accelerator, model, urls: list[str], *, api_key: str | None, admin_api_key: str | None,
-                 bucket_mb: float, dtype: torch.dtype, max_attempts: int, verify_tensors: int, timeout_s: float) -> None:
-        self.accelerator, self.model, self.dtype = accelerator, model, dtype
+                 bucket_mb: float, dtype: torch.dtype, max_attempts: int, verify_tensors: int, timeout_s: float,
+                 pause_mode: str = "retract") -> None:
+        if pause_mode not in api.PAUSE_MODES:
+            raise ValueError(f"pause_mode={pause_mode!r}: use one of {api.PAUSE_MODES}.")
+        self.accelerator, self.model, self.dtype, self.pause_mode = accelerator, model, dtype, pause_mode
         self.is_sender = accelerator.is_main_process
         urls = urls if self.is_sender else []
         # SGLang's auth levels (srt/utils/auth.py): weight and pause endpoints take the admin key when the server
@@ -84,7 +94,7 @@ class _Sender:
         self.servers = [api.read_server_info(c) for c in self.readers]
         for info in self.servers:
             info.check_supported()
-            info.check_weight_updates()
+            info.check_weight_updates(self.method)
         self.bucket_bytes = int(bucket_mb * 2**20)
         self._gather: BucketedGather | None = None
         self.max_attempts, self.verify_tensors = max_attempts, verify_tensors
@@ -92,6 +102,7 @@ class _Sender:
         self._probe_needed = False
         self.version = 0
         self.last_sync_s = 0.0
+        self._released: set[str] = set()  # colocated servers: what they freed while the trainer trains
 
     @property
     def gather(self) -> BucketedGather:
@@ -125,16 +136,33 @@ class _Sender:
     def close(self) -> None:
         """Release what the sender holds on the servers (called once training is over)."""
 
+    def release_memory(self) -> None:
+        """Colocated servers (SGLang on the trainer's GPUs, ``--enable-memory-saver``) free their KV cache,
+        weights and CUDA graphs for the trainer's optimisation; the next push takes them back (weights, the push,
+        then the rest). Collective: SGLang asserts no request runs, so every process must have collected."""
+        self.accelerator.wait_for_everyone()
+        if self.is_sender and not self._released:
+            self._each(*api.release_memory_occupation(list(api.MEMORY_TAGS)))
+            self._released = set(api.MEMORY_TAGS)
+
+    def _resume_memory(self, tags: tuple[str, ...]) -> None:
+        """Take back what ``release_memory`` freed of ``tags`` (SGLang fails to resume a tag it holds)."""
+        wanted = [t for t in api.MEMORY_TAGS if t in tags and t in self._released]
+        if wanted:
+            self._each(*api.resume_memory_occupation(wanted))
+            self._released -= set(wanted)
+
     # -- one push ------------------------------------------------------------------------------------------
 
     def _push(self, version: str) -> str | None:
-        """One full push; every rank walks every bucket (a collective under ZeRO-3). Rank 0's error, or None."""
-        error = self._rank0(self._open_update)
+        """One full push; every rank walks every bucket (a collective under ZeRO-3). Rank 0's error, or None.
+        Colocated servers get their weights' memory back first and their KV cache after."""
+        error = self._rank0(self._resume_memory, ("weights",)) or self._rank0(self._open_update)
         for index, (bucket, tensors) in enumerate(self.gather):
             if error is None:
                 error = self._rank0(self._send, index, bucket, tensors, version)
         if error is None:
-            error = self._rank0(self._finish, version)
+            error = self._rank0(self._finish, version) or self._rank0(self._resume_memory, ("kv_cache", "cuda_graph"))
         if error is not None and self.is_sender:
             self._recover()
         return error
@@ -150,7 +178,7 @@ class _Sender:
             return str(exc)
 
     def _open_update(self) -> None:
-        self._each(*api.pause_generation())
+        self._each(*api.pause_generation(self.pause_mode))
         if self.uses_session:
             for client in self._session_clients():
                 try:
@@ -291,7 +319,8 @@ class DistributedWeightSender(_Sender):
         accelerator: the training Accelerator; every rank calls ``update_weights``.
         model: the unwrapped policy (Hugging Face parameter names).
         urls: one SGLang server per engine replica.
-        master_address / master_port: where rank 0 hosts the weight-update group (reachable by the servers).
+        master_address / master_port: where rank 0 hosts the weight-update group (reachable by the servers);
+            None: rank 0's address on the route to the first server (said at start).
         backend: "nccl", "gloo", or "auto" (nccl with CUDA).
         bucket_mb: bytes per bucket; bounds the extra memory of the gather on every rank.
         layout: "per_tensor" (one broadcast per tensor) or "flattened_bucket" (one uint8 broadcast per bucket).
@@ -299,6 +328,8 @@ class DistributedWeightSender(_Sender):
         api_key / admin_api_key: the servers' ``--api-key`` and ``--admin-api-key`` (weight endpoints take the
             admin key when a server has one).
         group_name: start of the weight-update group's name (a fresh suffix per group).
+        pause_mode: how the servers pause around a push: "retract" (in-flight requests keep their tokens and go
+            on under the new weights) or "abort" (they come back cut short; the engine continues them).
 
     Example:
         >>> sender = DistributedWeightSender(accelerator, model, ["http://10.0.0.2:30000"],
@@ -308,21 +339,26 @@ class DistributedWeightSender(_Sender):
 
     uses_session = True
 
-    def __init__(self, accelerator, model, urls: list[str], *, master_address: str = "127.0.0.1",
+    def __init__(self, accelerator, model, urls: list[str], *, master_address: str | None = None,
                  master_port: int = 29600, backend: str = "auto", bucket_mb: float = 512, layout: str = "per_tensor",
                  dtype: torch.dtype = torch.bfloat16, api_key: str | None = None, admin_api_key: str | None = None,
                  group_name: str = api.DEFAULT_GROUP, max_attempts: int = 2, verify_tensors: int = 2,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, pause_mode: str = "retract") -> None:
         if layout not in ("per_tensor", "flattened_bucket"):
             raise ValueError(f"weight_sync.layout={layout!r}: use 'per_tensor' or 'flattened_bucket'.")
         super().__init__(accelerator, model, urls, api_key=api_key, admin_api_key=admin_api_key, bucket_mb=bucket_mb,
-                         dtype=dtype, max_attempts=max_attempts, verify_tensors=verify_tensors, timeout_s=timeout_s)
+                         dtype=dtype, max_attempts=max_attempts, verify_tensors=verify_tensors, timeout_s=timeout_s,
+                         pause_mode=pause_mode)
         self.layout, self.timeout_s = layout, timeout_s
         self.backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
         self.group: WeightUpdateGroup | None = None
         if self.is_sender:
             gpus = [info.tp_size for info in self.servers]
             self.offsets = [1 + sum(gpus[:i]) for i in range(len(gpus))]  # engine i: 1 + GPUs of engines before it
+            if master_address is None:
+                master_address = address_towards(urls[0])
+                logger.info("weight-update group at %s:%d, this trainer's address on the route to %s (set "
+                            "weight_sync.master_address to choose another)", master_address, master_port, urls[0])
             self.group = WeightUpdateGroup(self.backend, master_address, master_port, 1 + sum(gpus), group_name,
                                            timeout_s)
             self._join()
@@ -424,13 +460,18 @@ class DistributedWeightSender(_Sender):
 
 class DiskWeightSender(_Sender):
     """``/update_weights_from_disk``: rank 0 writes a Hugging Face folder (config + safetensors, one file per
-    bucket) under ``path`` (which the servers must be able to read), then posts its location."""
+    bucket) under ``path`` (which the servers must be able to read), then posts its location. Served at any
+    ``--dp-size``."""
+
+    method = "disk"
 
     def __init__(self, accelerator, model, urls: list[str], path: str | Path, *, bucket_mb: float = 512,
                  dtype: torch.dtype = torch.bfloat16, api_key: str | None = None, admin_api_key: str | None = None,
-                 keep: int = 2, max_attempts: int = 2, verify_tensors: int = 2, timeout_s: float = 600.0) -> None:
+                 keep: int = 2, max_attempts: int = 2, verify_tensors: int = 2, timeout_s: float = 600.0,
+                 pause_mode: str = "retract") -> None:
         super().__init__(accelerator, model, urls, api_key=api_key, admin_api_key=admin_api_key, bucket_mb=bucket_mb,
-                         dtype=dtype, max_attempts=max_attempts, verify_tensors=verify_tensors, timeout_s=timeout_s)
+                         dtype=dtype, max_attempts=max_attempts, verify_tensors=verify_tensors, timeout_s=timeout_s,
+                         pause_mode=pause_mode)
         self.path, self.keep = Path(path), keep
         self._index: dict[str, str] = {}  # parameter name -> file, for the update being written
 
@@ -455,7 +496,7 @@ class DiskWeightSender(_Sender):
     def _finish(self, version: str) -> None:
         folder = self._folder(version)
         (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": self._index}))
-        self._each(*api.pause_generation())
+        self._each(*api.pause_generation(self.pause_mode))
         for client, answer in zip(self.clients, self._each(*api.update_weights_from_disk(str(folder), version))):
             if not answer.get("success"):
                 raise WeightSyncError(f"{client.url}: update_weights_from_disk failed: {answer.get('message')}")
@@ -475,6 +516,7 @@ class TensorWeightSender(_Sender):
     """
 
     uses_session = True
+    method = "tensor"
 
     def __init__(self, accelerator, model, urls: list[str], **kwargs) -> None:
         try:
