@@ -65,10 +65,24 @@ def loss_mask(td: TensorDict) -> Tensor:  # -> [N, C] int64
     return mask * td[MODEL_MASK] if MODEL_MASK in td.keys() else mask
 
 
-def after_stop(completion_ids: Tensor, eos_id: int) -> Tensor:  # [N, C] -> [N, C] bool
-    """Positions strictly after each row's first EOS: not part of the completion (the EOS itself is)."""
-    is_eos = (completion_ids == eos_id).long()
-    return (is_eos.cumsum(1) - is_eos) > 0
+def after_stop(completion_ids: Tensor, stop_ids: int | Sequence[int]) -> Tensor:  # [N, C] -> [N, C] bool
+    """Positions strictly after each row's first stop token: not part of the completion (the stop itself is)."""
+    is_stop = is_stop_token(completion_ids, stop_ids).long()
+    return (is_stop.cumsum(1) - is_stop) > 0
+
+
+def is_stop_token(ids: Tensor, stop_ids: int | Sequence[int]) -> Tensor:  # [...] -> [...] bool
+    stops = torch.as_tensor([stop_ids] if isinstance(stop_ids, int) else list(stop_ids), device=ids.device)
+    return torch.isin(ids, stops)
+
+
+def stop_token_ids(tokenizer, generation_config=None) -> tuple[int, ...]:
+    """Every id that ends a completion: the tokenizer's EOS and each one the model's generation config lists.
+    Chat models end a turn on ids of their own (Llama-3 instruct ``<|eot_id|>``, Qwen2.5 ``<|im_end|>`` and
+    ``<|endoftext|>``, Gemma-3 ``<end_of_turn>``): stopping on the EOS alone would run past the turn's end."""
+    listed = getattr(generation_config, "eos_token_id", None)
+    ids = [tokenizer.eos_token_id, *(listed if isinstance(listed, (list, tuple)) else [listed])]
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
 def pad_sequences(seqs: Sequence[Sequence[int | float]], value, side: str, dtype=torch.long) -> Tensor:

@@ -172,7 +172,11 @@ class RewardSet:
         try:
             values = list(fn(prompts, completions, **fields))
         except Exception as exc:
-            raise RewardError(f"reward function {name!r} raised {type(exc).__name__}: {exc}") from exc
+            row = _first_failing_row(fn, prompts, completions, fields)
+            where = "" if row is None else (f" on completion {row} (prompt {prompts[row]!r}, completion "
+                                            f"{completions[row]!r})")
+            raise RewardError(f"reward function {name!r} raised {type(exc).__name__}: {exc}{where}; fix the "
+                              "function or make it return 0.0 where it cannot score.") from exc
         if len(values) != len(completions):
             raise RewardError(
                 f"reward function {name!r} returned {len(values)} values for {len(completions)} completions; "
@@ -186,6 +190,16 @@ class RewardSet:
                     "failures to a finite value such as 0.0."
                 )
         return torch.tensor([float(v) for v in values], dtype=torch.float32)
+
+
+def _first_failing_row(fn: RewardFn, prompts, completions, fields) -> int | None:
+    """The first completion that ``fn`` also fails on alone (None: it fails only on the whole batch)."""
+    for i in range(len(completions)):
+        try:
+            fn(prompts[i : i + 1], completions[i : i + 1], **{k: v[i : i + 1] for k, v in fields.items()})
+        except Exception:  # noqa: BLE001 - any failure names the row
+            return i
+    return None
 
 
 def _is_finite_number(v) -> bool:

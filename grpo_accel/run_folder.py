@@ -54,7 +54,7 @@ def start_point(cfg, checkpoint, first_process: bool) -> Path | None:
 
 
 class RunFolderBusy(RuntimeError):
-    """Another live process holds the run folder's lock; the message names it."""
+    """Another live process holds the run folder's lock, or the folder cannot be written; the message says which."""
 
 
 def previous_run_outputs(folder: Path) -> list[str]:
@@ -116,13 +116,21 @@ class RunFolderLock:
             return {}  # unreadable: treated as held by an unknown process
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        folder = self.path.parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file of that name, or a parent folder this user cannot write
+            raise RunFolderBusy(f"output_dir={str(folder)!r}: cannot make that folder ({exc.strerror}: "
+                                f"{exc.filename}); choose a folder you can write (output_dir=...).") from None
         for _ in range(3):  # a stale lock is removed, then taken like a free one (another run may win the race)
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             except FileExistsError:
                 self._clear_if_stale(self.holder())
                 continue
+            except OSError as exc:  # read-only file system or folder
+                raise RunFolderBusy(f"output_dir={str(folder)!r}: cannot write there ({exc.strerror}); choose a "
+                                    "folder you can write (output_dir=...).") from None
             with os.fdopen(fd, "w") as f:
                 json.dump(self._me(), f)
             self.held = True

@@ -180,7 +180,9 @@ def terminal_foreground():
     """
     try:
         tty = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
-    except OSError:  # no controlling terminal
+    except OSError:  # no controlling terminal (nohup, SLURM, CI, a detached container)
+        tty = None
+    if tty is None:  # outside the handler: an error in the block must not read as raised while handling this one
         yield
         return
     launcher = os.getpgrp()

@@ -142,10 +142,14 @@ def generate(input_ids: list[list[int]], sampling_params: list[dict]) -> tuple[s
                          "logprob_start_len": -1}
 
 
-def sampling_params(max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None) -> dict:
-    """SGLang's top_k is -1 when off; temperature 0 means greedy."""
+def sampling_params(max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
+                    stop_token_ids: list[int] = ()) -> dict:
+    """SGLang's top_k is -1 when off; temperature 0 means greedy; ``stop_token_ids`` end a completion besides
+    the model's EOS (the matched id is the last of ``output_ids``)."""
     params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
               "top_k": top_k if top_k > 0 else -1}
+    if stop_token_ids:
+        params["stop_token_ids"] = list(stop_token_ids)
     if seed is not None:
         params["sampling_seed"] = seed
     return params

@@ -208,7 +208,7 @@ def _generation_items(engine, prompts: list[list[int]], group: int) -> list[Item
     # Random weights almost never sample EOS, so completions are made to end early: a forward hook raises the EOS
     # logit by 4 (about 1 in 3 draws); the batch then ends with its longest completion instead of at the budget.
     def likelier_eos(module, inputs, logits):
-        index = torch.tensor([settings.eos_id], device=logits.device)
+        index = torch.tensor(settings.stop_ids[:1], device=logits.device)
         return logits.index_add(-1, index, logits.new_full((*logits.shape[:-1], 1), 4.0))
 
     hook = engine.model.get_output_embeddings().register_forward_hook(likelier_eos)

@@ -130,6 +130,7 @@ def build_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
 
     r, w = cfg.rollout, cfg.weight_sync
     if r.backend == "sglang":
+        from grpo_accel.batch import stop_token_ids
         from grpo_accel.config import ConfigError
         from grpo_accel.rollout.sglang import SGLangEngine
         from grpo_accel.weight_sync import sglang as senders
@@ -137,7 +138,8 @@ def build_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
         engine = SGLangEngine(r.urls, tokenizer, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                               top_p=r.top_p, top_k=r.top_k, api_key=r.api_key, health_timeout_s=r.health_timeout_s,
                               retries=r.request_retries, request_size=r.request_size,
-                              request_timeout_s=r.request_timeout_s)
+                              request_timeout_s=r.request_timeout_s,
+                              stop_token_ids=stop_token_ids(tokenizer, getattr(model, "generation_config", None)))
         saving = [i.url for i in engine.servers if not i.memory_saver]
         if r.colocate and saving:
             raise ConfigError(f"rollout.colocate=true: {', '.join(saving)} runs without --enable-memory-saver, so it "
@@ -298,9 +300,11 @@ def user_errors() -> tuple[type[Exception], ...]:
     from grpo_accel.config import ConfigError
     from grpo_accel.data import DataError
     from grpo_accel.distributed import DistributedConfigError
+    from grpo_accel.rewards import RewardError
+    from grpo_accel.rollout.episodes import EpisodeError
     from grpo_accel.run_folder import RunFolderBusy
 
-    return ConfigError, DataError, DistributedConfigError, CheckpointError, RunFolderBusy
+    return ConfigError, DataError, DistributedConfigError, CheckpointError, RunFolderBusy, RewardError, EpisodeError
 
 
 def main_reporting_errors(argv: list[str] | None = None) -> int:

@@ -100,7 +100,7 @@ def test_compiled_decoder_matches_eager_and_sees_weight_updates(tokenizer):
     model = _ending(_qwen2(tokenizer), tokenizer).eval()
     ids = K.pad_sequences([tokenizer(p)["input_ids"] for p in PROMPTS[:2]], tokenizer.pad_token_id, "left")
     mask = (ids != tokenizer.pad_token_id).long()
-    keys, settings = torch.arange(6), DecodeSettings(12, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    keys, settings = torch.arange(6), DecodeSettings(12, (tokenizer.eos_token_id,), tokenizer.pad_token_id)
     eager, compiled = Decoder(model), Decoder(model, compiled=True)
     for _ in range(2):  # the second round after an in-place update, as EmbeddedWeightSync makes it
         (t1, l1), (t2, l2) = eager(ids, mask, 3, keys, settings), compiled(ids, mask, 3, keys, settings)

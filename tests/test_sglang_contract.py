@@ -23,7 +23,7 @@ def every_request(session: bool):
     """One call of every body builder the client has, with realistic arguments."""
     requests = [
         api.generate([[1, 2, 3], [1, 2, 3]], [api.sampling_params(8, 0.7, 0.9, 0, seed=5),
-                                              api.sampling_params(8, 0.0, 1.0, 20, seed=None)]),
+                                              api.sampling_params(8, 0.0, 1.0, 20, seed=None, stop_token_ids=[5, 9])]),
         api.prompt_logprobs(list(range(1, 33))),
         *(api.pause_generation(mode) for mode in api.PAUSE_MODES), api.continue_generation(),
         api.init_weights_update_group("10.0.0.1", 29600, 1, 3, "weight_update_group-ab12cd34-1", "nccl"),

@@ -15,7 +15,7 @@ class BackgroundCollector:
 
     A batch is started only once a slot is free (the consumer took an earlier one), so with ``prefetch=1`` a
     batch is generated during the optimisation of the previous one: it is one weight version old when used.
-    An exception in the thread is re-raised in the consumer. The collector's engine must not share weights
+    An exception in the thread is re-raised, as it was, in the consumer. The collector's engine must not share weights
     that the trainer is updating (give it a copy updated by a weight-sync sender, as with an inference server).
     """
 
@@ -44,8 +44,8 @@ class BackgroundCollector:
             item = self._queue.get()
             if item is _DONE:
                 return
-            if isinstance(item, BaseException):
-                raise RuntimeError(f"background collection failed: {item}") from item
+            if isinstance(item, BaseException):  # as raised in the thread: a user error stays one line
+                raise item
             self._slots.release()  # the next batch may start now
             yield item
 

@@ -35,10 +35,10 @@ MASK_FORMATS = {"sdpa": "bool", "eager": "additive"}  # attention implementation
 
 @dataclass
 class DecodeSettings:
-    """What to draw: the budget, the sampler's settings and the stop token."""
+    """What to draw: the budget, the sampler's settings and the stop tokens (the first is the EOS)."""
 
     max_new_tokens: int
-    eos_id: int
+    stop_ids: tuple[int, ...]
     pad_id: int
     temperature: float = 1.0
     top_k: int = 0
@@ -132,7 +132,7 @@ class Decoder:
 
     Example:
         >>> decoder = Decoder(model)
-        >>> tokens, logprobs = decoder(prompt_ids, prompt_mask, 8, keys, DecodeSettings(32, eos_id, pad_id))
+        >>> tokens, logprobs = decoder(prompt_ids, prompt_mask, 8, keys, DecodeSettings(32, (eos_id,), pad_id))
     """
 
     def __init__(self, model: nn.Module, compiled: bool = False) -> None:
@@ -222,7 +222,7 @@ class Decoder:
         for step in range(budget):
             token, logprob = draw(logits, step)  # [M], [M]; rows already done draw garbage, masked at the end
             drawn.append((live, token, logprob))
-            done = done | (token == settings.eos_id)
+            done = done | K.is_stop_token(token, settings.stop_ids)
             finished = int(done.sum())
             if step + 1 == budget or self._everywhere(finished == done.numel()):
                 break
@@ -259,7 +259,7 @@ def _assemble(drawn: list[tuple[Tensor, Tensor, Tensor]], rows: int,
             tokens[live, start:end] = torch.stack([t for _, t, _ in drawn[start:end]], 1)
             logprobs[live, start:end] = torch.stack([lp for _, _, lp in drawn[start:end]], 1)
             start = end
-    after_eos = K.after_stop(tokens, settings.eos_id)
+    after_eos = K.after_stop(tokens, settings.stop_ids)
     return tokens.masked_fill(after_eos, settings.pad_id), logprobs.masked_fill(after_eos, 0.0)
 
 
@@ -278,7 +278,7 @@ class _Draws:
         s = self.settings
         z = logits.float()
         if step < s.min_new_tokens:
-            z = z.index_fill(-1, torch.tensor([s.eos_id], device=z.device), float("-inf"))
+            z = z.index_fill(-1, torch.tensor(s.stop_ids, device=z.device), float("-inf"))
         if self.sampler is not None:
             z = self.sampler.filtered(z) + self._noise(step, logits.device)
         token = z.argmax(-1)

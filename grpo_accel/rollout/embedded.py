@@ -32,7 +32,8 @@ class EmbeddedEngine:
 
     Args:
         model: the policy (unwrapped); generation runs in eval mode under ``torch.no_grad``.
-        tokenizer: gives ``pad_token_id`` and ``eos_token_id``.
+        tokenizer: gives ``pad_token_id`` and ``eos_token_id``; a completion also stops at every id that the
+            model's ``generation_config.eos_token_id`` lists (:func:`grpo_accel.batch.stop_token_ids`).
         max_new_tokens: completion budget; a completion that reaches it finishes with reason "length".
         gather: context manager factory entered around generation (gathers ZeRO-3 shards); none by default.
         decoder: "fast" decodes with :class:`grpo_accel.rollout.decode.Decoder` (the model's forward in a lean
@@ -88,7 +89,8 @@ class EmbeddedEngine:
             torch.set_num_threads(self.worker_threads)
         self.model, self.gather = model, gather or contextlib.nullcontext
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.settings = DecodeSettings(max_new_tokens, tokenizer.eos_token_id, pad_id, float(temperature), top_k, top_p)
+        stops = K.stop_token_ids(tokenizer, getattr(model, "generation_config", None))
+        self.settings = DecodeSettings(max_new_tokens, stops, pad_id, float(temperature), top_k, top_p)
         self.weight_version = 0
         self.lock = threading.Lock()  # held while generating; a weight update waits for it (SGLang's writer lock)
 
@@ -159,8 +161,8 @@ class EmbeddedEngine:
             finally:
                 self.model.train(was_training)
             version = self.weight_version
-        completion_mask = (~K.after_stop(completion, s.eos_id)).long()  # [N, C]
-        finish = torch.where((completion == s.eos_id).any(1), K.FINISH_STOP, K.FINISH_LENGTH)
+        completion_mask = (~K.after_stop(completion, s.stop_ids)).long()  # [N, C]
+        finish = torch.where(K.is_stop_token(completion, s.stop_ids).any(1), K.FINISH_STOP, K.FINISH_LENGTH)
         n = completion.shape[0]
         return TensorDict({
             K.COMPLETION_IDS: completion.where(completion_mask.bool(), s.pad_id).cpu(),
@@ -197,7 +199,7 @@ class EmbeddedEngine:
 
         s = self.settings
         config = GenerationConfig(do_sample=False, max_new_tokens=s.max_new_tokens, min_new_tokens=s.min_new_tokens or None,
-                                  eos_token_id=s.eos_id, pad_token_id=s.pad_id, output_logits=True,
+                                  eos_token_id=list(s.stop_ids), pad_token_id=s.pad_id, output_logits=True,
                                   return_dict_in_generate=True)
         device = next(self.model.parameters()).device
         ids, mask = ids.to(device), mask.to(device)

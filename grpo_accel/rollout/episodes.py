@@ -13,6 +13,7 @@ to every model token of the episode.
 from __future__ import annotations
 
 import concurrent.futures
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
@@ -20,11 +21,16 @@ import torch
 from tensordict import TensorDict
 
 from grpo_accel import batch as K
-from grpo_accel.data import Prompts, chat_messages, encode_prompts, render_chat
+from grpo_accel.data import ROLES, Prompts, chat_messages, encode_prompts, render_chat
 from grpo_accel.rules import check
 from grpo_accel.tools import CallParser, TaggedCallParser, ToolRunner, tool_schema
 
 SENTINEL = "\u2063GRPO_ACCEL_TURN\u2063"  # stands for a model turn's text while finding the template's framing
+
+
+class EpisodeError(RuntimeError):
+    """An environment failed or answered with something an episode cannot use; the message names it, the
+    episode's row and the value."""
 
 
 @dataclass
@@ -136,6 +142,7 @@ class _Episode:
     """One episode's running state."""
 
     env: Environment
+    row: dict  # the dataset row it was reset with
     messages: list[dict]
     key: int  # its random stream: later turns draw with keys derived from it
     room: int | None  # tokens after the prompt at most: the episode budget and the engine's context, if any
@@ -201,7 +208,8 @@ class EpisodeRunner:
             for j in range(group_size):
                 env = self.environment()
                 env.reset(row)
-                episodes.append(_Episode(env, list(messages), key=seed * group_size + j, room=min(rooms, default=None)))
+                episodes.append(_Episode(env, row, list(messages), key=seed * group_size + j,
+                                         room=min(rooms, default=None)))
         row_prompts = [p for p in prompt_ids for _ in range(group_size)]
         td = self.engine.generate(prompt_ids, group_size, seeds=seeds, greedy=greedy)  # the first turn
         active = list(range(len(episodes)))
@@ -256,7 +264,7 @@ class EpisodeRunner:
     def _answer(self, episodes: list[_Episode]) -> None:
         """The environment's step for every episode whose turn finished, run concurrently."""
         waiting = [ep for ep in episodes if ep.finish is None]
-        for ep, step in zip(waiting, self._pool.map(lambda ep: ep.env.step(ep.messages), waiting)):
+        for ep, step in zip(waiting, self._pool.map(_step, waiting)):
             ep.tool_calls += step.tool_calls
             ep.tool_errors += step.tool_errors
             for name, value in step.rewards.items():
@@ -293,6 +301,35 @@ class EpisodeRunner:
             K.EPISODE: TensorDict({"turns": count("turns"), "tool_calls": count("tool_calls"),
                                    "tool_errors": count("tool_errors")}, batch_size=[n]),
         }, batch_size=[n])
+
+def _step(ep: _Episode) -> Step:
+    """``ep.env.step`` on the conversation so far, its answer checked: a :class:`Step` of chat messages and
+    finite per-turn rewards, or an :class:`EpisodeError` naming the environment, the row and the value."""
+    where = f"{type(ep.env).__name__}.step() after model turn {ep.turns} of the episode of row {_short(ep.row)}"
+    try:
+        step = ep.env.step(ep.messages)
+    except Exception as exc:
+        raise EpisodeError(f"environment {where} raised {type(exc).__name__}: {exc}; fix the environment, or answer "
+                           "what it cannot handle with a message (tool errors are messages too).") from exc
+    if not isinstance(step, Step):
+        raise EpisodeError(f"environment {where} returned {_short(step)}, a {type(step).__name__}; return "
+                           "grpo_accel.rollout.episodes.Step(messages=[{'role': 'tool', 'content': '...'}], done=...).")
+    for j, m in enumerate(step.messages if isinstance(step.messages, list) else [step.messages]):
+        if not (isinstance(step.messages, list) and isinstance(m, dict) and m.get("role") in ROLES
+                and isinstance(m.get("content"), str)):
+            raise EpisodeError(f"environment {where} returned message {j} {_short(m)}; Step.messages is a list of "
+                               f"{{'role': one of {list(ROLES)}, 'content': a string}}.")
+    finite = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+    if not isinstance(step.rewards, dict) or not all(finite(v) for v in step.rewards.values()):
+        raise EpisodeError(f"environment {where} returned rewards {_short(step.rewards)}; Step.rewards maps names "
+                           "to finite numbers.")
+    return step
+
+
+def _short(value, n: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= n else text[: n - 3] + "..."
+
 
 def tool_schemas(env: Environment) -> list[dict] | None:
     """The function schemas of an environment's tools (None without tools)."""

@@ -64,6 +64,8 @@ class SGLangEngine:
         request_size: completions per HTTP request at most; a server's share goes out as several at once.
         request_timeout_s: seconds one request may take before it is sent again (a retry).
         report_every_s: while requests are outstanding, a line this often says which, on which server.
+        stop_token_ids: ids that end a completion besides the tokenizer's EOS (the model's generation config's:
+            :func:`grpo_accel.batch.stop_token_ids`), sent with every request.
 
     Example:
         >>> engine = SGLangEngine(["http://10.0.0.2:30000"], tokenizer, max_new_tokens=512)
@@ -77,12 +79,13 @@ class SGLangEngine:
     def __init__(self, urls: list[str], tokenizer, *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, api_key: str | None = None, health_timeout_s: float = 300.0,
                  retries: int = 3, request_size: int = 64, request_timeout_s: float = 600.0, backoff_s: float = 0.5,
-                 report_every_s: float = 30.0) -> None:
+                 report_every_s: float = 30.0, stop_token_ids: tuple[int, ...] = ()) -> None:
         if not urls:
             raise ValueError("SGLangEngine: rollout.urls is empty; list the SGLang servers, e.g. [http://host:30000].")
         self.clients = [HTTPClient(u, api_key, request_timeout_s, retries, backoff_s) for u in urls]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.eos_id, self.retries = tokenizer.eos_token_id, retries
+        self.retries = retries
+        self.stop_token_ids = [i for i in stop_token_ids if i != tokenizer.eos_token_id]
         self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
         self.request_size, self.report_every_s = request_size, report_every_s
         self.weight_version = 0
@@ -120,7 +123,7 @@ class SGLangEngine:
             budget = min(self.max_new_tokens, self.context_limit - len(prompt))
             for j in range(group_size):
                 params = api.sampling_params(max(budget, 0), temperature, self.top_p, self.top_k,
-                                             seed=(seed * group_size + j) % 2**31)
+                                             seed=(seed * group_size + j) % 2**31, stop_token_ids=self.stop_token_ids)
                 completions.append(_Completion(list(prompt), params, finish=K.FINISH_LENGTH if budget <= 0 else None))
         self._run([c for c in completions if c.finish is None])
         return self._to_rollout(completions)

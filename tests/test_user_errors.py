@@ -1,0 +1,195 @@
+"""A user's mistakes end in one line that names the setting, function or environment and the fix; nothing trains
+on garbage; every model stops where its generation config says (issue 26's cases, each failing before)."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from grpo_accel import batch as K
+from grpo_accel.rewards import RewardError, RewardSet
+from launching import ROOT, run_in_group
+
+# ---------------------------------------------------------------------------------------- the console
+
+
+def test_without_a_terminal_a_traceback_starts_with_its_own_cause():
+    """Under nohup, SLURM or CI there is no /dev/tty: the run's own error must not read as raised while
+    handling that one (the block used to run inside the ``except OSError`` that found no terminal)."""
+    code = "from grpo_accel.runtime import terminal_foreground\nwith terminal_foreground():\n    raise ValueError('x')"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, start_new_session=True, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.stderr.count("Traceback") == 1 and proc.stderr.strip().endswith("ValueError: x"), proc.stderr
+    assert "/dev/tty" not in proc.stderr and "During handling" not in proc.stderr
+
+
+# ------------------------------------------------------------------------------------------- rewards
+
+
+def _raises(prompts, completions, **_):
+    return [1.0 / (c != "3") for c in completions]  # ZeroDivisionError on the completion "3"
+
+
+@pytest.mark.parametrize("fn, message", [
+    (_raises, r"reward function 'f' raised ZeroDivisionError: float division by zero on completion 1 "
+              r"\(prompt 'b', completion '3'\); fix the function or make it return 0.0"),
+    (lambda p, c, **_: [0.0, float("nan")], r"'f' returned nan for completion 1 \(prompt 'b', completion '3'\)"),
+    (lambda p, c, **_: [0.0], r"'f' returned 1 values for 2 completions"),
+    (lambda p, c, **_: ["good", "bad"], r"'f' returned 'good' for completion 0"),
+])
+def test_a_reward_functions_mistake_names_it_and_the_row(fn, message):
+    with pytest.raises(RewardError, match=message):
+        RewardSet({"f": fn})(["a", "b"], ["1", "3"])
+
+
+def test_a_reward_error_is_one_line_and_exit_2_also_when_collected_in_the_background(tmp_path):
+    """Run as a user runs it (launch/train.py, a reward module in the folder the run starts from), with
+    asynchronous collection: the background thread's error reaches the user as it was raised."""
+    (tmp_path / "myrewards.py").write_text("def boom(prompts, completions, **kw):\n"
+                                           "    return [1 / 0 for _ in completions]\n")
+    proc = run_in_group([sys.executable, str(ROOT / "launch" / "train.py"), f"output_dir={tmp_path}/run",
+                         "rewards=[{name: 'myrewards:boom'}]", "trainer.async_collection=true",
+                         "trainer.progress_bar=false"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith("error: reward function 'myrewards:boom' raised ZeroDivisionError: division by zero on "
+                           "completion 0 (prompt '"), last
+
+
+# ------------------------------------------------------------------------------------------ environments
+
+
+class _Says:
+    """An environment whose step answers ``answer`` (or raises it)."""
+
+    tools = ()
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    def reset(self, row):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, messages):
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+@pytest.mark.parametrize("answer, message", [
+    ("Step([{'rol': 'user', 'text': 3}])", r"_Says.step\(\) after model turn 1 of the episode of row \{'prompt': '1\+1='"
+                                           r"\} returned message 0 \{'rol': 'user', 'text': 3\}; Step.messages is a list"),
+    ({"messages": []}, r"returned \{'messages': \[\]\}, a dict; return grpo_accel.rollout.episodes.Step"),
+    (KeyError("state"), r"_Says.step\(\) .* raised KeyError: 'state'; fix the environment"),
+    ("Step([], rewards={'r': float('nan')})", r"returned rewards \{'r': nan\}; Step.rewards maps names to finite"),
+])
+def test_an_environment_that_answers_garbage_stops_the_episode_naming_it(answer, message, tokenizer):
+    from episode_env import chat_tokenizer
+    from grpo_accel.rollout.embedded import EmbeddedEngine
+    from grpo_accel.rollout.episodes import EpisodeError, EpisodeRunner, Step
+    from grpo_accel.tasks.tiny import build_tiny_model
+
+    tok = chat_tokenizer()
+    model = build_tiny_model(tok, seed=0)
+    model.get_output_embeddings().register_forward_hook(  # every turn ends at once: the environment answers
+        lambda module, args, out: out.index_fill(-1, torch.tensor([tok.eos_token_id]), 1e4))
+    answer = eval(answer, {"Step": Step}) if isinstance(answer, str) else answer  # noqa: S307 - the test's own
+    runner = EpisodeRunner(EmbeddedEngine(model, tok, max_new_tokens=3), tok, lambda: _Says(answer), max_turns=3)
+    rows = [{"prompt": "1+1="}]
+    with pytest.raises(EpisodeError, match=message):
+        runner.run(rows, runner.encode(rows), group_size=2, seeds=[0])
+
+
+# --------------------------------------------------------------------------------------------- run folder
+
+
+def test_an_output_dir_that_cannot_be_written_is_one_line_before_any_work(tmp_path):
+    from grpo_accel.run_folder import RunFolderBusy
+    from trainer_utils import main_in_process
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for folder in (blocker, blocker / "run"):
+        with pytest.raises(RunFolderBusy, match=rf"output_dir='{folder}': cannot (make that folder|write there) "
+                                                r"\(.*\); choose a folder you can write"):
+            main_in_process("train", [f"output_dir={folder}"])
+
+
+# ----------------------------------------------------------------------------------------------- stop ids
+
+
+@pytest.fixture(scope="module")
+def two_stop_model(tmp_path_factory, tokenizer):
+    """The tiny Llama whose generation config lists a second stop id ("=", as a chat model lists its end-of-turn
+    id beside the EOS), made likely to be drawn; saved as a model folder."""
+    from grpo_accel.tasks.tiny import build_tiny_model
+
+    model = build_tiny_model(tokenizer, seed=0)
+    stop = tokenizer.convert_tokens_to_ids("=")
+    with torch.no_grad():
+        model.lm_head.weight[stop] += 0.5 * model.lm_head.weight.norm(dim=1).mean()
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, stop]
+    folder = tmp_path_factory.mktemp("two_stops")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder, stop
+
+
+def _assert_stops_at_either(td, stops):
+    n_stopped = 0
+    for ids, mask, reason in zip(td[K.COMPLETION_IDS], td[K.COMPLETION_MASK], td[K.FINISH_REASON]):
+        kept = ids[mask.bool()].tolist()
+        inside = [i for i, t in enumerate(kept) if t in stops]
+        assert inside in ([], [len(kept) - 1]), f"a stop id inside the completion: {kept}"
+        assert (int(reason) == K.FINISH_STOP) == bool(inside)
+        n_stopped += kept[-1] == stops[1] if kept else 0
+    assert n_stopped > 0, "some completions end on the second stop id"
+
+
+@pytest.mark.parametrize("decoder", ["fast", "generate"])
+def test_the_embedded_engine_stops_on_every_id_the_generation_config_lists(two_stop_model, tokenizer, decoder):
+    from transformers import AutoModelForCausalLM
+
+    from grpo_accel.rollout.embedded import EmbeddedEngine
+
+    folder, stop = two_stop_model
+    engine = EmbeddedEngine(AutoModelForCausalLM.from_pretrained(folder), tokenizer, max_new_tokens=12, decoder=decoder)
+    td = engine.generate([tokenizer("1+2")["input_ids"], tokenizer("3+4")["input_ids"]], 8, seeds=[0, 1])
+    _assert_stops_at_either(td, (tokenizer.eos_token_id, stop))
+
+
+def test_sglang_requests_name_the_models_stop_ids(two_stop_model, tokenizer, servers, tmp_path):
+    """launch/train.py's engine sends the generation config's ids as ``stop_token_ids``; the stand-in stops as
+    SGLang does (the matched id last in ``output_ids``)."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_accel.rollout.sglang import SGLangEngine
+    from standin import server_state
+
+    folder, stop = two_stop_model
+    url = servers.get(folder, "--deterministic")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    engine = SGLangEngine([url], tokenizer, max_new_tokens=12,
+                          stop_token_ids=K.stop_token_ids(tokenizer, model.generation_config))
+    td = engine.generate([tokenizer("1+2")["input_ids"], tokenizer("3+4")["input_ids"]], 8, seeds=[0, 1])
+    _assert_stops_at_either(td, (tokenizer.eos_token_id, stop))
+    sent = next(body for path, body in server_state(url)["requests"] if path == "/generate")
+    assert sent["sampling_params"][0]["stop_token_ids"] == [stop]
+
+
+def test_with_pad_equal_to_eos_the_stop_trains_once_and_padding_never(tokenizer):
+    import copy
+
+    from grpo_accel.rollout.embedded import EmbeddedEngine
+    from grpo_accel.tasks.tiny import build_tiny_model
+
+    tok = copy.deepcopy(tokenizer)
+    tok.pad_token = tok.eos_token
+    model = build_tiny_model(tok, seed=0)
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id] += 0.4 * model.lm_head.weight.norm(dim=1).mean()
+    td = EmbeddedEngine(model, tok, max_new_tokens=10).generate([tok("1+2")["input_ids"]], 8, seeds=[3])
+    for ids, mask in zip(td[K.COMPLETION_IDS], td[K.COMPLETION_MASK]):
+        eos_in_mask = int(((ids == tok.eos_token_id) & mask.bool()).sum())
+        assert eos_in_mask == int(ids[mask.bool()][-1] == tok.eos_token_id) <= 1
+    assert (td[K.FINISH_REASON] == K.FINISH_STOP).any() and (td[K.COMPLETION_MASK].sum(1) < 10).any()
