@@ -506,7 +506,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not key=value; write e.g. trainer.total_frames=256.")
         _set_dotted(data, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
-    return _build(GRPOConfig, data, "")
+    return _resolve_paths(_build(GRPOConfig, data, ""))
+
+
+LOCAL_PATHS = (("model", "name_or_path"), ("data", "path"), ("data", "eval_path"))
+"""Settings that may name a file or folder here: kept as the absolute path they resolve to, so that a resume
+compares the files themselves (the same file given relatively or absolutely matches; the same relative text from
+another folder does not)."""
+
+
+def _resolve_paths(cfg: GRPOConfig) -> GRPOConfig:
+    for section, key in LOCAL_PATHS:
+        value = getattr(getattr(cfg, section), key)
+        if isinstance(value, str) and Path(value).expanduser().exists():
+            setattr(getattr(cfg, section), key, str(Path(value).expanduser().resolve()))
+    return cfg
 
 
 def to_dict(cfg) -> dict:

@@ -4,6 +4,7 @@ parameters are needed (generation, export, weight sync)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 from pathlib import Path
@@ -44,6 +45,7 @@ def read_deepspeed_file(path: str | Path) -> dict:
 
 
 def validate_deepspeed_config(cfg: dict, source: str) -> None:
+    check_deepspeed_keys(cfg, source)
     zero = cfg.get("zero_optimization", {})
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
@@ -83,7 +85,63 @@ def preflight() -> dict:
         if stage not in ("0", "1", "2", "3"):
             raise DistributedConfigError(f"accelerate config zero_stage={stage!r}; ZeRO stages are 0, 1, 2 or 3.")
         return {"zero_optimization": {"stage": int(stage)}}
+    shipped = Path(__file__).resolve().parents[1] / path  # the checkout's ds_configs/, from any folder
+    if not Path(path).is_absolute() and not Path(path).exists() and shipped.is_file():
+        path = str(shipped)
+        os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = path  # what the Accelerator made next will read
     return read_deepspeed_file(path)
+
+
+def check_deepspeed_keys(cfg: dict, source: str) -> None:
+    """Misspelt keys, named with the file and the nearest valid key before any process starts (DeepSpeed itself
+    fails on every rank with a pydantic traceback that never names the file, or ignores the key). The
+    ``zero_optimization`` block and its offload blocks are checked against DeepSpeed's own config models (which
+    forbid unknown keys); a top-level key is refused when it is not one DeepSpeed names but close to one."""
+    import difflib
+
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
+                                                       DeepSpeedZeroOffloadParamConfig)
+
+    def refuse(key: str, where: str, valid, near: list[str]) -> None:
+        hint = f"did you mean {where}{near[0]}?" if near else f"valid keys there: {', '.join(sorted(valid))}."
+        raise DistributedConfigError(f"{source}: {where}{key} is not a DeepSpeed setting; {hint} Fix it in that "
+                                     "file (DeepSpeed would refuse it on every process, or ignore it).")
+
+    zero = cfg.get("zero_optimization")
+    blocks = [("zero_optimization.", zero, DeepSpeedZeroConfig)] if isinstance(zero, dict) else []
+    for name, model in (("offload_param", DeepSpeedZeroOffloadParamConfig),
+                        ("offload_optimizer", DeepSpeedZeroOffloadOptimizerConfig)):
+        if isinstance(zero, dict) and isinstance(zero.get(name), dict):
+            blocks.append((f"zero_optimization.{name}.", zero[name], model))
+    for where, block, model in blocks:
+        valid = set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+        for key in block:
+            if key not in valid:
+                refuse(key, where, valid, difflib.get_close_matches(key, valid, n=1, cutoff=0.6))
+    top = _deepspeed_names()
+    for key in cfg:
+        near = [] if key in top else difflib.get_close_matches(key, top, n=1, cutoff=0.85)
+        if near:
+            refuse(key, "", top, near)
+
+
+@functools.cache
+def _deepspeed_names() -> frozenset[str]:
+    """The setting names DeepSpeed's constants and config modules define (``NAME = "..."``, from its source)."""
+    import ast
+
+    import deepspeed
+
+    names = set()
+    for path in Path(deepspeed.__file__).parent.rglob("*.py"):
+        if "constants" not in path.name and path.name != "config.py":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+                    and all(isinstance(t, ast.Name) and t.id.isupper() for t in node.targets)):
+                names.add(node.value.value)
+    return frozenset(names)
 
 
 def configure_deepspeed(ds_config: dict, *, micro_batch: int, accumulation: int, num_processes: int,

@@ -130,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="LoRA runs: write the PEFT adapter folder instead of the merged model")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    export_checkpoint(args.checkpoint, args.out_dir, args.dtype, adapter=args.adapter)
+    try:
+        export_checkpoint(args.checkpoint, args.out_dir, args.dtype, adapter=args.adapter)
+    except CheckpointError as err:  # names the checkpoint and the fix: one line on stderr, exit 2, no traceback
+        parser.exit(2, f"error: {err}\n")
     return 0
 
 

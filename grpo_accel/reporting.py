@@ -1,10 +1,12 @@
 """What the trainer reports: phase timings, one scalar dict per logged iteration, completion samples as text and
-the progress bar. The trainer calls :meth:`Reporter.log_iteration` once per iteration; the scalars go to the
+the progress (a bar on a terminal, a log line every ``PROGRESS_LINE_S`` seconds in a log file). The trainer calls :meth:`Reporter.log_iteration` once per iteration; the scalars go to the
 logger (any object with ``log_scalar(name, value, step)``; ``log_text`` and ``flush`` when it has them).
 """
 from __future__ import annotations
 
+import logging
 import math
+import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -15,6 +17,10 @@ from tensordict import TensorDict
 
 from grpo_accel import batch as K
 from grpo_accel.metrics import completion_samples, mean_over_processes, rollout_scalars
+
+log = logging.getLogger(__name__)
+PROGRESS_LINE_S = 10.0
+"""Without a terminal (a log file, SLURM, CI) progress is a line this often: a bar's redraws would pile up."""
 
 
 @dataclass
@@ -44,7 +50,8 @@ class Reporter:
         self.history: list[dict[str, float]] = []
         self.timings: dict[str, float] = defaultdict(float)  # seconds per phase since the last log
         self.last_log_frames: float = -math.inf
-        self.bar = None  # the progress bar while training
+        self.bar = None  # the progress bar while training (on a terminal)
+        self._lines: tuple[int, float] | None = None  # without one: (total frames, time of the next line)
 
     @contextmanager
     def timed(self, phase: str):
@@ -55,16 +62,28 @@ class Reporter:
             self.timings[phase] += time.perf_counter() - start
 
     def start_progress(self, total: int, frames: int) -> None:
-        """A tqdm bar over frames on the main process when ``progress_bar`` is set."""
-        if self.settings.progress_bar and self.accelerator.is_main_process:
-            from tqdm.auto import tqdm
+        """A tqdm bar over frames on the main process when ``progress_bar`` is set; a line every
+        ``PROGRESS_LINE_S`` seconds instead when stderr is not a terminal."""
+        if not (self.settings.progress_bar and self.accelerator.is_main_process):
+            return
+        if not sys.stderr.isatty():
+            self._lines = (total, time.monotonic() + PROGRESS_LINE_S)
+            return
+        from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total, initial=min(frames, total), desc="frames", unit="completion")
+        self.bar = tqdm(total=total, initial=min(frames, total), desc="frames", unit="completion")
 
-    def advance(self, frames: int, rollout: TensorDict, seconds: float) -> None:
-        if self.bar is not None:
+    def advance(self, frames: int, rollout: TensorDict, seconds: float, done: int = 0) -> None:
+        """``frames`` more collected (``done`` so far in all); the batch took ``seconds``."""
+        reward = f"{float(rollout[K.REWARD].mean()):.3f}"
+        if self.bar is not None:  # one redraw per batch
+            self.bar.set_postfix(reward=reward, step_s=f"{seconds:.2f}", refresh=False)
             self.bar.update(min(self.bar.total - self.bar.n, frames))
-            self.bar.set_postfix(reward=f"{float(rollout[K.REWARD].mean()):.3f}", step_s=f"{seconds:.2f}")
+        elif self._lines is not None and time.monotonic() >= self._lines[1]:
+            total = self._lines[0]
+            log.info("progress: %d of %d frames (%.0f%%), reward %s, %.2f s per batch", done, total,
+                     100 * done / total, reward, seconds)
+            self._lines = (total, time.monotonic() + PROGRESS_LINE_S)
 
     def close(self) -> None:
         """The bar closed and the logger flushed (the end of ``train``)."""

@@ -227,7 +227,7 @@ class GRPOTrainer:
             self.hooks.run("post_optim", self)
         self.reporter.timings["iteration"] += time.perf_counter() - start
         self._log(rollout, stats)
-        self.reporter.advance(frames, rollout, time.perf_counter() - start)
+        self.reporter.advance(frames, rollout, time.perf_counter() - start, self.frames)
         every = self.save_trainer_interval  # save when this batch's frames crossed a multiple of it
         if every is not None and self.frames // every > (self.frames - frames) // every:
             self.save_checkpoint("interval")

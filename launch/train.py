@@ -64,6 +64,8 @@ def build_trainer(cfg: GRPOConfig):
                           "data.holdout (built-in task), data.eval_path or data.eval_split, or eval.every_iterations=0.")
     # Models are built before the Accelerator: under ZeRO-3 that keeps zero.Init out, so every stage starts
     # from the same weights (DeepSpeed partitions them in prepare()).
+    rewards = build_rewards(cfg.rewards)  # a bad reward module or environment is refused before any process group
+    environment = build_environment(r, cfg.data)
     tokenizer, model, reference = build_policy(cfg.model, with_reference=lc.kl_coef > 0, seed=t.seed)
     accelerator = make_accelerator(t.gradient_accumulation_steps, t.mixed_precision)
     log.info("process group ready: rank %d of %d (%s)", accelerator.process_index, accelerator.num_processes,
@@ -71,8 +73,6 @@ def build_trainer(cfg: GRPOConfig):
     layout = cfg.batch_layout(accelerator.num_processes)
     log.info(layout.describe())
     engine, sender = build_engine_and_sender(cfg, model, tokenizer, accelerator)
-    rewards = build_rewards(cfg.rewards)
-    environment = build_environment(r, cfg.data)
 
     collector = GRPOCollector(  # the trainer gives it this process's share of each batch
         engine, tokenizer, rows, rewards, prompts_per_batch=r.prompts_per_batch,
@@ -221,6 +221,9 @@ def quiet_console() -> None:
         warnings.showwarning = shown_once(warnings.showwarning)
     for name in ("accelerate.accelerator", "accelerate.checkpointing"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # Every checkpoint of a tied-embedding model said "Removed shared tensor {'policy.lm_head.weight'} while
+    # saving": the tie is expected, and the weight comes back tied.
+    logging.getLogger("accelerate.utils.other").addFilter(lambda r: "Removed shared tensor" not in r.getMessage())
 
 
 def shown_once(showwarning):
@@ -300,11 +303,14 @@ def user_errors() -> tuple[type[Exception], ...]:
     from grpo_accel.config import ConfigError
     from grpo_accel.data import DataError
     from grpo_accel.distributed import DistributedConfigError
+    from grpo_accel.http import ServerError
     from grpo_accel.rewards import RewardError
     from grpo_accel.rollout.episodes import EpisodeError
     from grpo_accel.run_folder import RunFolderBusy
+    from grpo_accel.weight_sync.sglang import WeightSyncError
 
-    return ConfigError, DataError, DistributedConfigError, CheckpointError, RunFolderBusy, RewardError, EpisodeError
+    return (ConfigError, DataError, DistributedConfigError, CheckpointError, RunFolderBusy, RewardError, EpisodeError,
+            ServerError, WeightSyncError)
 
 
 def main_reporting_errors(argv: list[str] | None = None) -> int:

@@ -239,6 +239,14 @@ def test_bad_deepspeed_settings(zero, message):
     (None, "does not exist"),
     ("{not json", "is not valid JSON"),
     ('{"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}', "offload_param needs ZeRO stage 3"),
+    # misspelt keys, checked against DeepSpeed's own config models (issue 26 item 3)
+    ('{"zero_optimization": {"stgae": 2}}', "zero_optimization.stgae is not a DeepSpeed setting; did you mean "
+                                            "zero_optimization.stage?"),
+    ('{"zero_optimisation": {"stage": 2}}', "zero_optimisation is not a DeepSpeed setting; did you mean "
+                                            "zero_optimization?"),
+    ('{"zero_optimization": {"stage": 2, "reduce_bucket_sise": 5}}', "did you mean zero_optimization.reduce_bucket_size"),
+    ('{"zero_optimization": {"stage": 3, "offload_param": {"devcie": "cpu"}}}',
+     "zero_optimization.offload_param.devcie is not a DeepSpeed setting; did you mean zero_optimization.offload_param.device"),
 ])
 def test_bad_deepspeed_files_are_named(tmp_path, content, message):
     ds = tmp_path / "ds.json"

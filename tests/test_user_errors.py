@@ -193,3 +193,89 @@ def test_with_pad_equal_to_eos_the_stop_trains_once_and_padding_never(tokenizer)
         eos_in_mask = int(((ids == tok.eos_token_id) & mask.bool()).sum())
         assert eos_in_mask == int(ids[mask.bool()][-1] == tok.eos_token_id) <= 1
     assert (td[K.FINISH_REASON] == K.FINISH_STOP).any() and (td[K.COMPLETION_MASK].sum(1) < 10).any()
+
+
+def test_under_accelerate_launch_q_our_line_is_the_last_and_the_exit_code_is_accelerates():
+    """One process under ``accelerate launch``: Accelerate re-raises a failed script as its own CalledProcessError
+    traceback (exit 1); with its ``-q`` it exits 1 quietly and our line stays the last (as the README says)."""
+    from launching import launch
+
+    proc = launch("single_process.yaml", ["rollout.max_prompt_tokens=2", "trainer.progress_bar=false",
+                                          "output_dir=/tmp/grpo_accel_never_written"],
+                  launcher_args=["-q"], expect_ok=False, timeout=120)
+    assert proc.returncode == 1 and "CalledProcessError" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: dataset row 0: column 'prompt' is 4 tokens")
+
+
+def test_export_errors_are_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "grpo_accel.export", str(tmp_path), str(tmp_path / "out")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == f"error: {tmp_path} is not a complete checkpoint (no COMPLETE marker)."
+
+
+def test_paths_are_kept_resolved_so_a_resume_compares_the_files(tmp_path, monkeypatch):
+    """data.path given relatively and absolutely is one file (a resume accepts it); the same relative text from
+    another folder is another (it stays as written, and differs)."""
+    from grpo_accel.config import load_config, resume_conflicts, to_dict
+
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    monkeypatch.chdir(tmp_path)
+    relative = to_dict(load_config(None, ["data.path=rows.jsonl"]))
+    absolute = to_dict(load_config(None, [f"data.path={tmp_path / 'rows.jsonl'}"]))
+    assert relative["data"]["path"] == str(tmp_path / "rows.jsonl") and not resume_conflicts(relative, absolute)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert resume_conflicts(relative, to_dict(load_config(None, ["data.path=rows.jsonl"]))) == [
+        f"data.path: {str(tmp_path / 'rows.jsonl')!r} -> 'rows.jsonl'"]
+
+
+def test_a_bad_reward_module_is_refused_before_any_process_group(tmp_path):
+    import torch.distributed as dist
+
+    from grpo_accel.config import ConfigError
+    from trainer_utils import main_in_process
+
+    with pytest.raises(ConfigError, match=r"rewards name='nomodule:f': cannot import it"):
+        main_in_process("train", [f"output_dir={tmp_path}/run", "rewards=[{name: 'nomodule:f'}]"])
+    assert not dist.is_initialized()
+
+
+def test_without_a_terminal_progress_is_a_line_now_and_then(tmp_path, monkeypatch, caplog):
+    """In a log file a tqdm bar redrew twice per batch (890 redraws in a short run); there it is one log line
+    every reporting.PROGRESS_LINE_S seconds (0 here: one per batch), and no bar."""
+    import logging
+
+    from grpo_accel import reporting
+    from trainer_utils import train_in_process
+
+    monkeypatch.setattr(reporting, "PROGRESS_LINE_S", 0.0)
+    caplog.set_level(logging.INFO, "grpo_accel.reporting")
+    train_in_process([f"output_dir={tmp_path}/run", "trainer.total_frames=384", "trainer.progress_bar=true"])
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("progress: ")]
+    assert len(lines) == 3 and lines[-1].startswith("progress: 384 of 384 frames (100%), reward ")
+
+
+def test_an_unreachable_sglang_server_is_one_line(tmp_path):
+    from launching import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    proc = run_in_group([sys.executable, str(ROOT / "launch" / "train.py"), f"output_dir={tmp_path}/run",
+                         "rollout.backend=sglang", f"rollout.urls=[{url}]", "rollout.health_timeout_s=1"],
+                        cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: SGLang server {url} was not healthy after 1 s")
+
+
+def test_the_shipped_deepspeed_files_are_found_from_any_folder(tmp_path, monkeypatch):
+    """accelerate_configs/*.yaml name ds_configs/... relative to the checkout, while a reward module must sit in
+    the folder the run starts from: the DeepSpeed file is found from there too (and handed to Accelerate so)."""
+    import os
+
+    from grpo_accel.distributed import preflight
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "ds_configs/zero3.json")
+    assert preflight()["zero_optimization"]["stage"] == 3
+    assert os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] == str(ROOT / "ds_configs" / "zero3.json")
