@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import inspect
 from pathlib import Path
 
 from grpo_accel.config import ConfigError, DataConfig, ModelConfig, RewardConfig, RolloutConfig
@@ -120,11 +121,27 @@ def import_named(name: str, key: str, builtins: list[str], kind: str):
 
 
 def build_rewards(cfgs: list[RewardConfig]) -> RewardSet:
-    fns = {}
-    for c in cfgs:
-        fn = resolve_reward(c.name)
-        fns[c.name] = functools.partial(fn, **c.kwargs) if c.kwargs else fn
-    return RewardSet(fns, {c.name: c.weight for c in cfgs})
+    """The set of ``rewards`` (each entry: a function, a reward model or a reward service, with its limits)."""
+    return RewardSet({c.name: build_reward(c) for c in cfgs}, {c.name: c.weight for c in cfgs},
+                     {c.name: c.normalize for c in cfgs})
+
+
+def build_reward(c: RewardConfig):
+    """One reward entry as a reward function (see :mod:`grpo_accel.reward_sources`)."""
+    from grpo_accel import reward_sources as rs
+
+    if c.name == "reward_model":
+        return rs.RewardModel(c.name, c.path, batch_size=c.batch_size, dtype=c.dtype, **c.kwargs)
+    if c.name == "remote":
+        return rs.RemoteReward(c.name, c.url, timeout_s=c.timeout_s or 30.0, retries=c.retries,
+                               batch_size=c.batch_size, api_key=c.api_key, fallback=c.fallback)
+    fn = resolve_reward(c.name)
+    fn = functools.partial(fn, **c.kwargs) if c.kwargs else fn
+    if inspect.iscoroutinefunction(getattr(fn, "func", fn)):
+        return rs.AsyncReward(c.name, fn, timeout_s=c.timeout_s, fallback=c.fallback)
+    if c.processes:
+        return rs.TimedReward(c.name, fn, processes=c.processes, timeout_s=c.timeout_s or 10.0, fallback=c.fallback)
+    return fn
 
 
 def build_environment(rollout: RolloutConfig, data: DataConfig):

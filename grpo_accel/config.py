@@ -259,11 +259,46 @@ class LossConfig:
 @dataclass
 class RewardConfig:
     name: str = "answer_match"
-    """A built-in (answer_match, format_match) or "package.module:function"."""
+    """A built-in (answer_match, format_match, math_answer, env_reward), reward_model (path), remote (url) or
+    "package.module:function"."""
     weight: float = 1.0
     """Weight in the total reward."""
     kwargs: dict = field(default_factory=dict)
-    """Keyword arguments bound to the function (e.g. {pattern: "\\\\d+"} for format_match)."""
+    """Keyword arguments bound to the function (e.g. {pattern: "\\\\d+"} for format_match; reward_model:
+    output_index, scale, max_length)."""
+    normalize: str = "none"
+    """Standardise this reward before the weighted sum: none, group (within each prompt's group) or batch."""
+    processes: int = 0
+    """A function: > 0 runs it in that many worker processes, each call (one completion) limited to timeout_s."""
+    timeout_s: float | None = None
+    """Seconds a call may take: per completion in worker processes (default 10), per batch for an async
+    function or a reward service (default 30 for a service); null: no limit."""
+    fallback: float | None = None
+    """The value of a call that overruns or fails; null: such a failure stops the run."""
+    path: str | None = None
+    """reward_model: the Hugging Face sequence-classification model folder (its tokenizer beside it)."""
+    url: str | None = None
+    """remote: the reward service's URL, e.g. http://host:8000/score (launch/reward_server.py serves one)."""
+    retries: int = 2
+    """remote: retries of a batch after a 5xx answer, a timeout or an unreachable service."""
+    batch_size: int = 32
+    """reward_model and remote: completions scored per forward / per request."""
+    api_key: str | None = None
+    """remote: sent as a bearer token."""
+    dtype: str = "float32"
+    """reward_model: the dtype it is loaded in (float32, bfloat16, float16)."""
+
+    def __post_init__(self) -> None:
+        key = f"rewards[name={self.name}]"
+        _choice(f"{key}.normalize", self.normalize, ("none", "group", "batch"))
+        _check(self.name != "reward_model" or bool(self.path), f"{key}.path", self.path,
+               "a reward model needs its folder: path=DIR (a sequence-classification model and its tokenizer).")
+        _check(self.name != "remote" or bool(self.url), f"{key}.url", self.url,
+               "a reward service needs url=http://host:port/score (launch/reward_server.py serves one).")
+        _check(self.processes >= 0, f"{key}.processes", self.processes, "must be >= 0 (0: in the trainer's process).")
+        _check(self.timeout_s is None or self.timeout_s > 0, f"{key}.timeout_s", self.timeout_s, "must be > 0 seconds.")
+        _check(self.batch_size >= 1, f"{key}.batch_size", self.batch_size, "must be >= 1.")
+        _choice(f"{key}.dtype", self.dtype, ("float32", "bfloat16", "float16"))
 
 
 @dataclass
@@ -422,6 +457,10 @@ RENAMED = {"rollout.prompts_per_step": "rollout.prompts_per_batch", "weight_sync
 def resume_conflicts(saved: dict, current: dict) -> list[str]:
     """``key: saved -> current`` for every RESUME_MUST_MATCH setting that differs."""
     a = {RENAMED.get(k, k): v for k, v in flatten_keys(saved).items()}
+    if isinstance(a.get("rewards"), list):  # entries saved before a reward setting existed have its default
+        defaults = to_dict(RewardConfig())
+        a["rewards"] = [{**{k: v for k, v in defaults.items() if k not in ("name", "weight", "kwargs")}, **r}
+                        for r in a["rewards"]]
     b = flatten_keys(current)
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
             if k.startswith(RESUME_MUST_MATCH) and a.get(k) != b.get(k)]

@@ -45,6 +45,11 @@ def rollout_scalars(accelerator, rollout: TensorDict, with_rewards: bool = True)
         out |= {f"train/{k}": v for k, v in episode_scalars(every[:, -len(EPISODE_COLUMNS):]).items()}
     for j, name in enumerate(stats, start=n + 4):  # the collector's seconds per phase go under time/
         out[f"time/{name[5:]}" if name.startswith("time_") else f"train/{name}"] = float(every[:, j].mean())
+    if "reward_faults" in rollout.keys():  # counts over every process: completions that got a fallback
+        names = sorted(rollout["reward_faults"].keys())
+        local = torch.stack([rollout["reward_faults", k].float().sum() for k in names]).to(accelerator.device)
+        totals = accelerator.reduce(local, reduction="sum") if accelerator.num_processes > 1 else local
+        out |= {f"train/reward/{k}": float(v) for k, v in zip(names, totals.tolist())}
     if with_rewards:
         out["train/reward_mean"], out["train/reward_std"] = float(every[:, 0].mean()), float(every[:, 0].std())
         for j, key in enumerate(keys[1:], start=1):

@@ -12,10 +12,17 @@ A reward function is any callable ``fn(prompts, completions, **fields) -> list[f
   come: ``conversation`` (the episode's messages, the model's turns as "assistant" messages) and
   ``env_rewards`` (the environment's per-turn reward terms summed over the episode: name -> float).
 
-It returns one float per completion. Accept ``**fields`` so that new fields never break it.
+It returns one float per completion. Accept ``**fields`` so that new fields never break it. It may be declared
+``async def``: a set's async functions are awaited together. Reward models, reward services and functions run in
+worker processes with a time limit are such functions too (:mod:`grpo_accel.reward_sources`).
+
+Per-reward scaling: a set may standardise a function's values (``normalize`` "group": within each prompt's group,
+"batch": over the batch this process scores) before the weighted sum, so that one reward's scale cannot drown
+another's (GDPO's per-reward normalisation, trl#4785).
 """
 from __future__ import annotations
 
+import asyncio
 import inspect
 import math
 import re
@@ -28,6 +35,23 @@ from tensordict import TensorDict
 RewardFn = Callable[..., Sequence[float]]
 PROVIDED_FIELDS = ("completion_ids", "finish_reason", "prompt_messages")  # besides the dataset's columns
 EPISODE_FIELDS = ("conversation", "env_rewards")  # multi-turn episodes only
+NORMALIZE = ("none", "group", "batch")
+
+
+def standardise(values: torch.Tensor, mode: str, group_size: int | None = None) -> torch.Tensor:  # [N] -> [N]
+    """``values`` minus their mean over each group of ``group_size`` contiguous rows ("group") or over all rows
+    ("batch"), divided by that std (population) + 1e-6; "none" leaves them."""
+    if mode == "none":
+        return values
+    if mode == "group" and not group_size:
+        raise ValueError("normalize='group' needs the group size")
+    x = values.view(-1, group_size) if mode == "group" else values.view(1, -1)
+    return ((x - x.mean(1, keepdim=True)) / (x.std(1, unbiased=False, keepdim=True) + 1e-6)).reshape(-1)
+
+
+def _is_async(fn) -> bool:
+    target = getattr(fn, "func", fn)  # functools.partial
+    return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(getattr(target, "__call__", None))
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -125,8 +149,10 @@ class RewardSet:
     """Several reward functions with weights; scoring returns each one's rewards and the weighted total.
 
     Args:
-        fns: name -> reward function.
+        fns: name -> reward function (``async def`` ones are awaited together).
         weights: name -> weight (default 1.0 each).
+        normalize: name -> "none" (default), "group" or "batch": see :func:`standardise`. The weighted total
+            sums the standardised values; ``rewards`` keeps each function's own.
 
     Example:
         >>> rs = RewardSet({"answer": answer_match, "format": format_match}, {"format": 0.2})
@@ -134,7 +160,8 @@ class RewardSet:
         >>> td["reward"], td["rewards", "answer"]
     """
 
-    def __init__(self, fns: Mapping[str, RewardFn], weights: Mapping[str, float] | None = None) -> None:
+    def __init__(self, fns: Mapping[str, RewardFn], weights: Mapping[str, float] | None = None,
+                 normalize: Mapping[str, str] | None = None) -> None:
         if not fns:
             raise ValueError("RewardSet: no reward function given; pass at least one (see grpo_accel.rewards).")
         weights = dict(weights or {})
@@ -143,6 +170,10 @@ class RewardSet:
             raise ValueError(f"RewardSet: weights name {sorted(unknown)}, which are not reward functions {sorted(fns)}.")
         self.fns = dict(fns)
         self.weights = {name: float(weights.get(name, 1.0)) for name in self.fns}
+        self.normalize = {name: (normalize or {}).get(name, "none") for name in self.fns}
+        bad = {k: v for k, v in self.normalize.items() if v not in NORMALIZE}
+        if bad:
+            raise ValueError(f"RewardSet: normalize={bad}: use one of {NORMALIZE}.")
 
     @property
     def names(self) -> list[str]:
@@ -161,18 +192,56 @@ class RewardSet:
                             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         return {name: cols for name, cols in needed.items() if cols}
 
-    def __call__(self, prompts: list[str], completions: list[str], **fields) -> TensorDict:
+    def __call__(self, prompts: list[str], completions: list[str], *, group_size: int | None = None,
+                 **fields) -> TensorDict:
+        """``rewards`` (each function's values), ``reward`` (their weighted sum, standardised where asked;
+        ``group_size``: the contiguous rows of a prompt's group) and, for functions that count their faults,
+        ``reward_faults`` (per completion: 1 where a call timed out or failed and got the fallback)."""
         n = len(completions)
-        per_fn = {name: self._run(name, fn, prompts, completions, fields) for name, fn in self.fns.items()}
-        total = sum(self.weights[name] * r for name, r in per_fn.items())
-        return TensorDict({"rewards": TensorDict(per_fn, batch_size=[n]), "reward": total}, batch_size=[n])
+        awaited = self._await_all(prompts, completions, fields)
+        per_fn = {name: self._run(name, fn, prompts, completions, fields, awaited) for name, fn in self.fns.items()}
+        total = sum(self.weights[name] * standardise(r, self.normalize[name], group_size) for name, r in per_fn.items())
+        out = {"rewards": TensorDict(per_fn, batch_size=[n]), "reward": total}
+        faults = {f"{name}_{kind}": torch.tensor(counts, dtype=torch.float32)
+                  for name, fn in self.fns.items() for kind, counts in getattr(fn, "faults", {}).items()
+                  if len(counts) == n}
+        if faults:
+            out["reward_faults"] = TensorDict(faults, batch_size=[n])
+        return TensorDict(out, batch_size=[n])
+
+    def _await_all(self, prompts, completions, fields) -> dict:
+        """The async functions' values (or exceptions), awaited together."""
+        names = [name for name, fn in self.fns.items() if _is_async(fn)]
+        if not names:
+            return {}
+
+        async def gather():
+            calls = [self.fns[name](prompts, completions, **fields) for name in names]
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+        return dict(zip(names, asyncio.run(gather())))
+
+    def close(self) -> None:
+        """Stop what the functions hold (worker processes of time-limited ones)."""
+        for fn in self.fns.values():
+            if hasattr(fn, "close"):
+                fn.close()
 
     @staticmethod
-    def _run(name: str, fn: RewardFn, prompts, completions, fields) -> torch.Tensor:  # -> [N] float32
+    def _run(name: str, fn: RewardFn, prompts, completions, fields, awaited: dict) -> torch.Tensor:  # -> [N]
+        from grpo_accel.reward_sources import RewardFault
+
         try:
-            values = list(fn(prompts, completions, **fields))
+            if name in awaited:
+                if isinstance(awaited[name], BaseException):
+                    raise awaited[name]
+                values = list(awaited[name])
+            else:
+                values = list(fn(prompts, completions, **fields))
+        except RewardFault:
+            raise
         except Exception as exc:
-            row = _first_failing_row(fn, prompts, completions, fields)
+            row = None if name in awaited else _first_failing_row(fn, prompts, completions, fields)
             where = "" if row is None else (f" on completion {row} (prompt {prompts[row]!r}, completion "
                                             f"{completions[row]!r})")
             raise RewardError(f"reward function {name!r} raised {type(exc).__name__}: {exc}{where}; fix the "

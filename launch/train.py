@@ -280,6 +280,7 @@ def run(cfg: GRPOConfig, start: float) -> int:
             trainer.weight_sync_sender.close()
         if hasattr(trainer.collector.engine, "close"):  # the embedded engine's decode worker, if any
             trainer.collector.engine.close()
+        trainer.collector.rewards.close()  # reward worker processes, if any
         if trainer.logger is not None:  # the event files are complete, also after an error
             trainer.logger.close()
     trainer.accelerator.wait_for_everyone()
@@ -304,13 +305,14 @@ def user_errors() -> tuple[type[Exception], ...]:
     from grpo_accel.data import DataError
     from grpo_accel.distributed import DistributedConfigError
     from grpo_accel.http import ServerError
+    from grpo_accel.reward_sources import RewardFault
     from grpo_accel.rewards import RewardError
     from grpo_accel.rollout.episodes import EpisodeError
     from grpo_accel.run_folder import RunFolderBusy
     from grpo_accel.weight_sync.sglang import WeightSyncError
 
-    return (ConfigError, DataError, DistributedConfigError, CheckpointError, RunFolderBusy, RewardError, EpisodeError,
-            ServerError, WeightSyncError)
+    return (ConfigError, DataError, DistributedConfigError, CheckpointError, RunFolderBusy, RewardError, RewardFault,
+            EpisodeError, ServerError, WeightSyncError)
 
 
 def main_reporting_errors(argv: list[str] | None = None) -> int:

@@ -43,6 +43,7 @@ def score_rollout(td: TensorDict, rows: list[dict], prompts: Prompts, group_size
     return rewards(
         repeat(prompts.texts),
         texts,
+        group_size=group_size,
         completion_ids=ids,
         finish_reason=[FINISH_NAMES[int(r)] for r in td[K.FINISH_REASON]],
         prompt_messages=repeat(prompts.messages),
