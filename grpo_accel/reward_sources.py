@@ -53,7 +53,8 @@ class AsyncReward:
         return values
 
 
-def _is_finite(value) -> bool:
+def is_finite_number(value) -> bool:
+    """Whether ``value`` reads as a finite float (a reward must)."""
     try:
         return math.isfinite(float(value))
     except (TypeError, ValueError):
@@ -136,7 +137,7 @@ class TimedReward:
                         status, value = "error", f"its worker process died (exit {self._workers[w].proc.exitcode})"
                         self._replace(w)
                     del busy[w]
-                    if status == "ok" and _is_finite(value):
+                    if status == "ok" and is_finite_number(value):
                         values[row] = float(value)
                         continue
                     message = value if status == "error" else f"returned {value!r}"
@@ -203,7 +204,7 @@ class RemoteReward:
                 got = answer.get("rewards") if isinstance(answer, dict) else None
                 if not isinstance(got, list) or len(got) != end - start:
                     raise ValueError(f"answered {str(answer)[:120]!r}, not {{\"rewards\": [{end - start} floats]}}")
-                bad = [i for i, v in enumerate(got) if not _is_finite(v)]
+                bad = [i for i, v in enumerate(got) if not is_finite_number(v)]
                 if bad:
                     raise ValueError(f"answered {got[bad[0]]!r} for completion {start + bad[0]}")
                 values += [float(v) for v in got]

@@ -32,6 +32,8 @@ from typing import Callable, Mapping, Sequence
 import torch
 from tensordict import TensorDict
 
+from grpo_accel.reward_sources import RewardFault, is_finite_number
+
 RewardFn = Callable[..., Sequence[float]]
 PROVIDED_FIELDS = ("completion_ids", "finish_reason", "prompt_messages")  # besides the dataset's columns
 EPISODE_FIELDS = ("conversation", "env_rewards")  # multi-turn episodes only
@@ -229,8 +231,6 @@ class RewardSet:
 
     @staticmethod
     def _run(name: str, fn: RewardFn, prompts, completions, fields, awaited: dict) -> torch.Tensor:  # -> [N]
-        from grpo_accel.reward_sources import RewardFault
-
         try:
             if name in awaited:
                 if isinstance(awaited[name], BaseException):
@@ -252,7 +252,7 @@ class RewardSet:
                 "it must return exactly one float per completion."
             )
         for i, v in enumerate(values):
-            if not _is_finite_number(v):
+            if not is_finite_number(v):
                 raise RewardError(
                     f"reward function {name!r} returned {v!r} for completion {i} (prompt {prompts[i]!r}, "
                     f"completion {completions[i]!r}); rewards must be finite floats: fix the function or map "
@@ -271,8 +271,3 @@ def _first_failing_row(fn: RewardFn, prompts, completions, fields) -> int | None
     return None
 
 
-def _is_finite_number(v) -> bool:
-    try:
-        return math.isfinite(float(v))
-    except (TypeError, ValueError):
-        return False

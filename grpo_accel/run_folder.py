@@ -36,10 +36,16 @@ def start_point(cfg, checkpoint, first_process: bool) -> Path | None:
 
     out, resume = Path(cfg.output_dir), checkpoint.resume_path()
     if resume is not None:
-        conflicts = resume_conflicts(checkpoint.read_metadata(resume)["user"]["config"], to_dict(cfg))
+        saved = checkpoint.read_metadata(resume)["user"]
+        conflicts = resume_conflicts(saved["config"], to_dict(cfg))
         if conflicts:
             raise ConfigError(f"checkpoint {resume} was trained with other settings: {conflicts}; resume with the "
                               "same settings, or start a new run in another output_dir.")
+        changed = [k for k, v in data_fingerprints(cfg.data).items() if saved.get("data", {}).get(k, v) != v]
+        if changed:
+            raise ConfigError(f"checkpoint {resume} was trained on other data: {', '.join(changed)} changed since "
+                              "(size or content); resume on the data it was trained on, or start a new run in "
+                              "another output_dir.")
         return resume
     if not (found := previous_run_outputs(out)):
         return None
@@ -51,6 +57,29 @@ def start_point(cfg, checkpoint, first_process: bool) -> Path | None:
     if first_process:
         logger.warning("overwrite=true: deleted an earlier run's %s in %s", ", ".join(remove_run_outputs(out)), out)
     return None
+
+
+def data_fingerprints(data) -> dict[str, str]:
+    """For ``data.path`` / ``data.eval_path`` naming local files: ``"data.path=P"`` -> a fingerprint of what they
+    hold (per file, sorted: its name, its size and a SHA-256 of its first and last MiB), which a resume compares."""
+    import hashlib
+
+    out = {}
+    for key, value in (("data.path", data.path), ("data.eval_path", data.eval_path)):
+        if value is None or not Path(value).exists():
+            continue
+        root = Path(value)
+        digest = hashlib.sha256()
+        for f in sorted(p for p in ([root] if root.is_file() else root.rglob("*")) if p.is_file())[:256]:
+            size = f.stat().st_size
+            digest.update(f"{f.relative_to(root) if f != root else f.name}:{size}".encode())
+            with f.open("rb") as handle:
+                digest.update(handle.read(2**20))
+                if size > 2**21:
+                    handle.seek(-(2**20), 2)
+                    digest.update(handle.read())
+        out[f"{key}={value}"] = digest.hexdigest()
+    return out
 
 
 class RunFolderBusy(RuntimeError):

@@ -41,7 +41,7 @@ def build_trainer(cfg: GRPOConfig):
     from grpo_accel.lora import trainable_parameters
     from grpo_accel.loss import GRPOLoss
     from grpo_accel.rollout.collector import GRPOCollector
-    from grpo_accel.run_folder import start_point
+    from grpo_accel.run_folder import data_fingerprints, start_point
     from grpo_accel.tracking import TensorBoardLogger
     from grpo_accel.trainer import GRPOTrainer
 
@@ -71,7 +71,8 @@ def build_trainer(cfg: GRPOConfig):
     log.info("process group ready: rank %d of %d (%s)", accelerator.process_index, accelerator.num_processes,
              accelerator.distributed_type.name)
     layout = cfg.batch_layout(accelerator.num_processes)
-    log.info(layout.describe())
+    if accelerator.is_main_process:  # the start-up block once, not once per process
+        log.info(layout.describe())
     engine, sender = build_engine_and_sender(cfg, model, tokenizer, accelerator)
 
     collector = GRPOCollector(  # the trainer gives it this process's share of each batch
@@ -106,7 +107,7 @@ def build_trainer(cfg: GRPOConfig):
         log_rewards=t.log_rewards, log_kl=t.log_kl, log_samples=t.log_samples, accelerator=accelerator,
         checkpoint=checkpoint, save_trainer_interval=c.interval_frames, save_trainer_file=c.legacy_file,
         checkpoint_rotation=CheckpointRotation(c.keep_last, c.keep_best, c.best_metric, c.best_mode),
-        checkpoint_metadata=lambda: {"config": to_dict(cfg)},
+        checkpoint_metadata=lambda: {"config": to_dict(cfg), "data": data_fingerprints(cfg.data)},
     )
     if r.colocate:  # the servers free their GPU memory for the optimiser steps; the next push takes it back
         trainer.register_op("pre_optim", lambda _: sender.release_memory(), "release_colocated_servers")
@@ -140,6 +141,8 @@ def build_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
                               retries=r.request_retries, request_size=r.request_size,
                               request_timeout_s=r.request_timeout_s,
                               stop_token_ids=stop_token_ids(tokenizer, getattr(model, "generation_config", None)))
+        if accelerator.is_main_process:
+            log.info(engine.description)
         saving = [i.url for i in engine.servers if not i.memory_saver]
         if r.colocate and saving:
             raise ConfigError(f"rollout.colocate=true: {', '.join(saving)} runs without --enable-memory-saver, so it "

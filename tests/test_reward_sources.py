@@ -176,3 +176,26 @@ def test_a_reward_model_built_in_code_trains_the_tiny_policy(tokenizer, tmp_path
     for tag in ("train/reward_mean", "train/loss"):
         single, zero3 = ([v for _, v in read_scalars(tmp_path / run / "tensorboard")[tag]] for run in ("single", "zero3"))
         assert len(single) == 12 and zero3 == pytest.approx(single, rel=1e-4, abs=1e-6), tag
+
+
+def test_a_reward_service_stopped_mid_run_scores_its_fallback_and_the_run_goes_on(reward_server, tmp_path):
+    """The service is killed once it has answered its first batch: the later batches get the fallback, counted
+    in train/reward/remote_errors, and the run finishes."""
+    import threading
+
+    from grpo_accel.tracking import read_scalars
+
+    url, proc = reward_server
+
+    def stop_after_the_first_answer():
+        for line in proc.stderr:  # aiohttp's access log: one line per answered request
+            if b"POST /score" in line:
+                proc.kill()
+                return
+
+    threading.Thread(target=stop_after_the_first_answer, daemon=True).start()
+    out = tmp_path / "run"
+    train_in_process([f"output_dir={out}", "trainer.total_frames=512", "trainer.progress_bar=false",
+                      f"rewards=[{{name: remote, url: '{url}/score', batch_size: 128, retries: 0, fallback: 0.0}}]"])
+    errors = [v for _, v in read_scalars(out / "tensorboard")["train/reward/remote_errors"]]
+    assert len(errors) == 4 and errors[0] == 0 and errors[-1] == 128, errors

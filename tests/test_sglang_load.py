@@ -240,11 +240,12 @@ def test_zero3_async_run_with_four_pushes_per_batch_keeps_every_token(tmp_path, 
     from test_sglang import assert_server_holds_checkpoint, sglang_args
 
     url, out = servers.get(model_dir, "--deterministic", "--decode-delay", "0.1"), tmp_path / "run"
-    launch("zero3.yaml", sglang_args(out, url, model_dir, "trainer.total_frames=128", "rollout.prompts_per_batch=8",
-                                     "rollout.group_size=4", "rollout.max_new_tokens=8", "rollout.request_size=4",
-                                     "trainer.micro_batch_completions=4", "trainer.async_collection=true",
-                                     "trainer.max_staleness=null", "weight_sync.pause_mode=retract"))
+    proc = launch("zero3.yaml", sglang_args(
+        out, url, model_dir, "trainer.total_frames=128", "rollout.prompts_per_batch=8", "rollout.group_size=4",
+        "rollout.max_new_tokens=8", "rollout.request_size=4", "trainer.micro_batch_completions=4",
+        "trainer.async_collection=true", "trainer.max_staleness=null", "weight_sync.pause_mode=retract"))
     assert_server_holds_checkpoint(url, out)
+    assert proc.stderr.count("batch layout: ") == 1 and proc.stderr.count("SGLang servers: ") == 1, "said once"
     counts = control(url, "/_standin/counts")
     scalars = read_scalars(out / "tensorboard")
     lengths = [v for _, v in scalars["train/completion_length_mean"]]

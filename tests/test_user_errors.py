@@ -279,3 +279,36 @@ def test_the_shipped_deepspeed_files_are_found_from_any_folder(tmp_path, monkeyp
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "ds_configs/zero3.json")
     assert preflight()["zero_optimization"]["stage"] == 3
     assert os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] == str(ROOT / "ds_configs" / "zero3.json")
+
+
+def test_checkpoints_of_a_tied_embedding_model_say_nothing_of_the_tie(tmp_path, tokenizer):
+    """Accelerate's "Removed shared tensor {'policy.lm_head.weight'} while saving" came with every checkpoint of
+    a tied-embedding model (the tie is expected; the weight comes back tied)."""
+    from grpo_accel.tasks.tiny import build_tiny_qwen2
+    from launching import launch
+
+    model = build_tiny_qwen2(tokenizer, seed=0)
+    model.save_pretrained(tmp_path / "tied")
+    tokenizer.save_pretrained(tmp_path / "tied")
+    proc = launch("single_process.yaml", [f"output_dir={tmp_path}/run", f"model.name_or_path={tmp_path / 'tied'}",
+                                          "trainer.total_frames=256", "checkpoint.interval_frames=128",
+                                          "trainer.progress_bar=false"], timeout=120)
+    assert proc.stderr.count("checkpoint ") >= 2 and "Removed shared tensor" not in proc.stderr
+
+
+def test_a_resume_on_changed_data_is_refused(tmp_path):
+    """The same data.path with other rows in it is other data: the resume names it (the folder untouched)."""
+    import json
+
+    from grpo_accel.config import ConfigError
+    from trainer_utils import train_in_process
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                            for a in range(4) for b in range(4)))
+    run = [f"output_dir={tmp_path}/run", f"data.path={data}", "trainer.progress_bar=false"]
+    train_in_process([*run, "trainer.total_frames=128"])
+    train_in_process([*run, "trainer.total_frames=256", "checkpoint.resume=auto"])  # the same data: resumes
+    data.write_text(data.read_text() + json.dumps({"prompt": "4+4=", "answer": "8"}) + "\n")
+    with pytest.raises(ConfigError, match=rf"trained on other data: data.path={data} changed since"):
+        train_in_process([*run, "trainer.total_frames=384", "checkpoint.resume=auto"])

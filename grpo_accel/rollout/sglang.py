@@ -96,9 +96,9 @@ class SGLangEngine:
             info.check_supported()
         contexts = [api.read_context_length(c) for c in self.clients]
         self.context_length = min(contexts)  # the shortest of the servers' contexts
-        logger.info("SGLang servers: %s", ", ".join(f"{c.url} (SGLang {'.'.join(map(str, i.version))}, tp "
-                                                    f"{i.tp_size}, context {n})"
-                                                    for c, i, n in zip(self.clients, self.servers, contexts)))
+        self.description = "SGLang servers: " + ", ".join(
+            f"{c.url} (SGLang {'.'.join(map(str, i.version))}, tp {i.tp_size}, context {n})"
+            for c, i, n in zip(self.clients, self.servers, contexts))
         random = [i.url for i in self.servers if not i.deterministic]
         if random:
             logger.warning("sampling_seed is ignored by %s (started without --enable-deterministic-inference): "
