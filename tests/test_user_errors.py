@@ -109,10 +109,17 @@ def test_an_output_dir_that_cannot_be_written_is_one_line_before_any_work(tmp_pa
 
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    for folder in (blocker, blocker / "run"):
-        with pytest.raises(RunFolderBusy, match=rf"output_dir='{folder}': cannot (make that folder|write there) "
-                                                r"\(.*\); choose a folder you can write"):
-            main_in_process("train", [f"output_dir={folder}"])
+    readonly = tmp_path / "readonly"  # a read-only file system (root ignores mode bits, not a read-only mount)
+    readonly.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(readonly)], check=True)
+    try:
+        for folder in (blocker, blocker / "run", readonly, readonly / "run"):
+            with pytest.raises(RunFolderBusy, match=rf"output_dir='{folder}': cannot (make that folder|write there) "
+                                                    r"\((Read-only file system|Not a directory|File exists).*\); "
+                                                    r"choose a folder you can write"):
+                main_in_process("train", [f"output_dir={folder}"])
+    finally:
+        subprocess.run(["umount", str(readonly)], check=True)
 
 
 # ----------------------------------------------------------------------------------------------- stop ids
