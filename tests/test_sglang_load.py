@@ -233,13 +233,13 @@ def test_a_tp2_server_and_a_dp_attention_server_receive_the_trainers_weights_bit
 
 def test_zero3_async_run_with_four_pushes_per_batch_keeps_every_token(tmp_path, model_dir, servers):
     """2 processes, ZeRO-3, SGLang, trainer.async_collection=true: each batch of 32 completions trains in 4
-    optimizer steps, each followed by a push, while the next batch is generated (a decode step lasts 0.1 s). The
+    optimizer steps, each followed by a push, while the next batch is generated (a decode step lasts 0.2 s). The
     run finishes, the server holds the trainer's final weights bitwise, no token was aborted or drawn for
     nothing, and the partial rollouts are in the metrics."""
     from grpo_accel.tracking import read_scalars
     from test_sglang import assert_server_holds_checkpoint, sglang_args
 
-    url, out = servers.get(model_dir, "--deterministic", "--decode-delay", "0.1"), tmp_path / "run"
+    url, out = servers.get(model_dir, "--deterministic", "--decode-delay", "0.2"), tmp_path / "run"
     proc = launch("zero3.yaml", sglang_args(
         out, url, model_dir, "trainer.total_frames=128", "rollout.prompts_per_batch=8", "rollout.group_size=4",
         "rollout.max_new_tokens=8", "rollout.request_size=4", "trainer.micro_batch_completions=4",
