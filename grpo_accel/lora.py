@@ -10,12 +10,12 @@ Merged weight of a targeted linear layer (the engine serves the base architectur
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
 from grpo_accel.config import ConfigError, LoraConfig
-from grpo_accel.weight_sync.gather import EngineWeight
 
 ADAPTER = "default"  # PEFT's name for a model's one adapter
 PEFT_PREFIX = "base_model.model."  # what PEFT puts before the base model's parameter names
@@ -93,9 +93,11 @@ def merge_lora(weight: Tensor, lora_a: Tensor, lora_b: Tensor, scaling: float) -
     return weight.float() + scaling * (lora_b.float() @ lora_a.float())
 
 
-def merged_engine_weights(model: nn.Module) -> list[EngineWeight]:
+def merged_engine_weights(model: nn.Module) -> list[tuple[str, tuple[nn.Parameter, ...], Callable | None]]:
     """A LoRA model's tensors as an engine serving the base architecture holds them: each targeted layer's merged
-    weight and every other parameter, under the base model's names, in parameter order (adapters never leave)."""
+    weight and every other parameter, under the base model's names, in parameter order (adapters never leave):
+    (name, the parameters it is made of, how: None for the parameter itself), as
+    :class:`grpo_accel.weight_sync.gather.EngineWeight` takes them."""
     from peft.tuners.lora import LoraLayer
 
     layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
@@ -108,7 +110,7 @@ def merged_engine_weights(model: nn.Module) -> list[EngineWeight]:
         if layer is not None and leaf == "weight":
             params = (p, layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight)
             combine = functools.partial(merge_lora, scaling=float(layer.scaling[ADAPTER]))
-            weights.append(EngineWeight(base_name(name), params, combine))
+            weights.append((base_name(name), params, combine))
         else:
-            weights.append(EngineWeight(base_name(name), (p,)))
+            weights.append((base_name(name), (p,), None))
     return weights

@@ -28,10 +28,10 @@ class EngineWeight:
 def engine_weights(model: nn.Module) -> list[EngineWeight]:
     """What an engine serving ``model`` holds, in parameter order: its parameters, or for a LoRA model the merged
     weights under the base model's names (see :mod:`grpo_accel.lora`)."""
-    from grpo_accel.lora import is_lora, merged_engine_weights  # here: lora.py builds on this module
+    from grpo_accel.lora import is_lora, merged_engine_weights  # lazily: peft only for LoRA runs
 
     if is_lora(model):
-        return merged_engine_weights(model)
+        return [EngineWeight(*weight) for weight in merged_engine_weights(model)]
     return [EngineWeight(name, (p,)) for name, p in model.named_parameters()]
 
 
