@@ -125,19 +125,34 @@ def same_answer(found: str, expected) -> bool:
     if _NUMBER.fullmatch(gold.replace(",", "")) and number and float(number.group()) == float(gold.replace(",", "")):
         return True
     try:
-        from math_verify import parse, verify  # lazy and optional: pip install 'grpo_accel[math]'
+        import math_verify  # noqa: F401 - lazy and optional: pip install 'grpo_accel[math]'
     except ImportError:
         return " ".join(found.split()) == " ".join(gold.split())
-    # Its timeouts use SIGALRM, which only the main thread may set (async collection scores in a thread).
-    limit = 5 if threading.current_thread() is threading.main_thread() else None
-    return verify(parse(f"${gold}$", parsing_timeout=limit), parse(f"${found}$", parsing_timeout=limit),
-                  timeout_seconds=limit)
+    if threading.current_thread() is threading.main_thread():
+        return _math_verify([gold], [found])[0] == 1.0
+    # math-verify's time limits use SIGALRM, which only a main thread may set (async collection scores in a
+    # thread): there the check runs in a worker process of its own, killed and counted as "not equal" at 5 s.
+    return _OFF_THREAD_VERIFY([gold], [found])[0] == 1.0
+
+
+def _math_verify(golds: list[str], founds: list[str], **_) -> list[float]:
+    """math-verify's verdict on each (expected, stated) pair, with its own 5 s limits (in a main thread): 1.0
+    equal, else 0.0. Shaped as a reward function (``prompts`` = the expected answers) for :class:`TimedReward`."""
+    from math_verify import parse, verify
+
+    return [float(verify(parse(f"${g}$", parsing_timeout=5), parse(f"${f}$", parsing_timeout=5), timeout_seconds=5))
+            for g, f in zip(golds, founds)]
 
 
 def env_reward(prompts: list[str], completions: list[str], env_rewards: list[dict], **fields) -> list[float]:
     """The environment's own reward terms of each episode, summed (multi-turn episodes)."""
     return [float(sum(terms.values())) for terms in env_rewards]
 
+
+from grpo_accel.reward_sources import TimedReward  # noqa: E402 - after the function it runs
+
+_OFF_THREAD_VERIFY = TimedReward("math_answer (math-verify)", _math_verify, processes=1, timeout_s=5.0, fallback=0.0)
+"""math-verify outside a main thread: one worker process, started at first use, each check limited to 5 s."""
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {"answer_match": answer_match, "format_match": format_match,
                                         "math_answer": math_answer, "env_reward": env_reward}

@@ -199,3 +199,24 @@ def test_a_reward_service_stopped_mid_run_scores_its_fallback_and_the_run_goes_o
                       f"rewards=[{{name: remote, url: '{url}/score', batch_size: 128, retries: 0, fallback: 0.0}}]"])
     errors = [v for _, v in read_scalars(out / "tensorboard")["train/reward/remote_errors"]]
     assert len(errors) == 4 and errors[0] == 0 and errors[-1] == 128, errors
+
+
+def test_math_answer_is_time_limited_in_a_background_thread_too():
+    """SIGALRM works only in a main thread: there math-verify keeps its own limits; in another thread (async
+    collection) the check runs in a worker process limited to 5 s, with the same verdicts."""
+    import threading
+
+    from grpo_accel import rewards
+
+    def in_thread(found, gold):
+        out = []
+        thread = threading.Thread(target=lambda: out.append(rewards.same_answer(found, gold)))
+        thread.start()
+        thread.join(60)
+        return out[0]
+
+    assert rewards.same_answer("\\frac{1}{2}", "0.5") and in_thread("\\frac{1}{2}", "0.5")
+    assert not rewards.same_answer("x^2+2", "x^2+1") and not in_thread("x^2+2", "x^2+1")
+    assert reward_workers(), "the off-thread check ran in a worker process"
+    rewards._OFF_THREAD_VERIFY.close()
+    assert not reward_workers()
