@@ -4,12 +4,11 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
-import inspect
 from pathlib import Path
 
 from grpo_accel.config import ConfigError, DataConfig, ModelConfig, RewardConfig, RolloutConfig
 from grpo_accel.data import load_rows, validate_rows
-from grpo_accel.rewards import BUILTIN_REWARDS, RewardSet
+from grpo_accel.rewards import BUILTIN_REWARDS, RewardSet, is_async_reward
 from grpo_accel.tasks import BUILTIN_TASKS
 
 
@@ -137,7 +136,7 @@ def build_reward(c: RewardConfig):
                                batch_size=c.batch_size, api_key=c.api_key, fallback=c.fallback)
     fn = resolve_reward(c.name)
     fn = functools.partial(fn, **c.kwargs) if c.kwargs else fn
-    if inspect.iscoroutinefunction(getattr(fn, "func", fn)):
+    if is_async_reward(fn):
         return rs.AsyncReward(c.name, fn, timeout_s=c.timeout_s, fallback=c.fallback)
     if c.processes:
         return rs.TimedReward(c.name, fn, processes=c.processes, timeout_s=c.timeout_s or 10.0, fallback=c.fallback)

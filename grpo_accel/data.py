@@ -125,11 +125,16 @@ def validate_rows(rows: list[dict], prompt_field: str, source: str) -> list[dict
     return rows
 
 
+def is_chat_message(m) -> bool:
+    """``{"role": one of ROLES, "content": a string}``."""
+    return isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+
+
 def _check_messages(messages: list, where: str) -> None:
     if not messages:
         raise DataError(f"{where} is an empty list of messages; give at least one user message.")
     for j, m in enumerate(messages):
-        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+        if not is_chat_message(m):
             raise DataError(f"{where} message {j} is {m!r}; each message is {{'role': one of {list(ROLES)}, "
                             "'content': a string}.")
     if not any(m["content"].strip() for m in messages if m["role"] != "system"):

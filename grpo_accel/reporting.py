@@ -1,5 +1,6 @@
 """What the trainer reports: phase timings, one scalar dict per logged iteration, completion samples as text and
-the progress (a bar on a terminal, a log line every ``PROGRESS_LINE_S`` seconds in a log file). The trainer calls :meth:`Reporter.log_iteration` once per iteration; the scalars go to the
+the progress (a bar on a terminal, a log line every ``PROGRESS_LINE_S`` seconds in a log file). The trainer
+calls :meth:`Reporter.log_iteration` once per iteration; the scalars go to the
 logger (any object with ``log_scalar(name, value, step)``; ``log_text`` and ``flush`` when it has them).
 """
 from __future__ import annotations

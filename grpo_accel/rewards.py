@@ -51,7 +51,9 @@ def standardise(values: torch.Tensor, mode: str, group_size: int | None = None) 
     return ((x - x.mean(1, keepdim=True)) / (x.std(1, unbiased=False, keepdim=True) + 1e-6)).reshape(-1)
 
 
-def _is_async(fn) -> bool:
+def is_async_reward(fn) -> bool:
+    """Whether calling ``fn`` gives a coroutine: an ``async def`` function, a partial of one, or an object whose
+    ``__call__`` is one (:class:`~grpo_accel.reward_sources.AsyncReward`)."""
     target = getattr(fn, "func", fn)  # functools.partial
     return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(getattr(target, "__call__", None))
 
@@ -228,7 +230,7 @@ class RewardSet:
 
     def _await_all(self, prompts, completions, fields) -> dict:
         """The async functions' values (or exceptions), awaited together."""
-        names = [name for name, fn in self.fns.items() if _is_async(fn)]
+        names = [name for name, fn in self.fns.items() if is_async_reward(fn)]
         if not names:
             return {}
 

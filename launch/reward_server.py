@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import logging
 import sys
 from pathlib import Path
@@ -29,6 +28,8 @@ def make_app(fn, api_key: str | None = None):
     """The aiohttp application serving reward function ``fn``."""
     from aiohttp import web
 
+    from grpo_accel.rewards import is_async_reward
+
     async def score(request: web.Request) -> web.Response:
         if api_key and request.headers.get("Authorization") != f"Bearer {api_key}":
             return web.json_response({"error": "Unauthorized"}, status=401)
@@ -40,7 +41,7 @@ def make_app(fn, api_key: str | None = None):
         except (ValueError, KeyError, TypeError) as exc:
             return web.json_response({"error": f"not a scoring request: {exc}"}, status=400)
         try:
-            if inspect.iscoroutinefunction(getattr(fn, "__call__", fn)) or inspect.iscoroutinefunction(fn):
+            if is_async_reward(fn):
                 values = await fn(prompts, completions, **fields)
             else:  # a blocking function runs beside the event loop, which keeps answering
                 values = await asyncio.to_thread(lambda: list(fn(prompts, completions, **fields)))

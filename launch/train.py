@@ -58,6 +58,7 @@ def build_trainer(cfg: GRPOConfig):
     c = cfg.checkpoint
     checkpoint = Checkpoint(Path(cfg.output_dir) / "checkpoints", resume=c.resume)
     start_point(cfg, checkpoint, first_process())
+    fingerprints = data_fingerprints(cfg.data)  # read once: every checkpoint records them
     rows, held_out = build_rows(cfg.data)
     if cfg.eval.every_iterations and not held_out:
         raise ConfigError(f"eval.every_iterations={cfg.eval.every_iterations}: there are no held-out rows; set "
@@ -107,7 +108,7 @@ def build_trainer(cfg: GRPOConfig):
         log_rewards=t.log_rewards, log_kl=t.log_kl, log_samples=t.log_samples, accelerator=accelerator,
         checkpoint=checkpoint, save_trainer_interval=c.interval_frames, save_trainer_file=c.legacy_file,
         checkpoint_rotation=CheckpointRotation(c.keep_last, c.keep_best, c.best_metric, c.best_mode),
-        checkpoint_metadata=lambda: {"config": to_dict(cfg), "data": data_fingerprints(cfg.data)},
+        checkpoint_metadata=lambda: {"config": to_dict(cfg), "data": fingerprints},
     )
     if r.colocate:  # the servers free their GPU memory for the optimiser steps; the next push takes it back
         trainer.register_op("pre_optim", lambda _: sender.release_memory(), "release_colocated_servers")

@@ -17,9 +17,10 @@ from trainer_utils import train_in_process
 
 
 def reward_workers() -> list:
-    """This process's children besides multiprocessing's resource tracker (one per process, started with the
-    first spawned child and shared by all)."""
-    return [p for p in psutil.Process().children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())]
+    """This process's spawned multiprocessing children (reward workers), besides multiprocessing's resource
+    tracker (one per process, shared by all): not the other tests' servers (SGLang stand-ins) it may hold."""
+    return [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())
+            and "resource_tracker" not in " ".join(p.cmdline())]
 
 
 # ----------------------------------------------------------------------------------------------- scaling

@@ -21,7 +21,7 @@ import torch
 from tensordict import TensorDict
 
 from grpo_accel import batch as K
-from grpo_accel.data import ROLES, Prompts, chat_messages, encode_prompts, render_chat
+from grpo_accel.data import ROLES, Prompts, chat_messages, encode_prompts, is_chat_message, render_chat
 from grpo_accel.rules import check
 from grpo_accel.tools import CallParser, TaggedCallParser, ToolRunner, tool_schema
 
@@ -314,9 +314,9 @@ def _step(ep: _Episode) -> Step:
     if not isinstance(step, Step):
         raise EpisodeError(f"environment {where} returned {_short(step)}, a {type(step).__name__}; return "
                            "grpo_accel.rollout.episodes.Step(messages=[{'role': 'tool', 'content': '...'}], done=...).")
-    for j, m in enumerate(step.messages if isinstance(step.messages, list) else [step.messages]):
-        if not (isinstance(step.messages, list) and isinstance(m, dict) and m.get("role") in ROLES
-                and isinstance(m.get("content"), str)):
+    messages = step.messages if isinstance(step.messages, list) else [step.messages]  # not a list: its value named
+    for j, m in enumerate(messages):
+        if messages is not step.messages or not is_chat_message(m):
             raise EpisodeError(f"environment {where} returned message {j} {_short(m)}; Step.messages is a list of "
                                f"{{'role': one of {list(ROLES)}, 'content': a string}}.")
     finite = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
