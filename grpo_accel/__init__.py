@@ -15,8 +15,8 @@ _EXPORTS = {
     "RewardSet": "grpo_accel.rewards",
     "GRPOCollector": "grpo_accel.rollout.collector",
     "EmbeddedEngine": "grpo_accel.rollout.embedded",
-    "TensorBoardLogger": "grpo_accel.tracking",
-    "GRPOConfig": "grpo_accel.config",
+    "TensorBoardLogger": "grpo_accel.reporting.tracking",
+    "GRPOConfig": "grpo_accel.recipe.schema",
 }
 
 __all__ = list(_EXPORTS)

@@ -95,9 +95,11 @@ def load_policy(checkpoint: Path):
 
 
 def _lora_policy(checkpoint: Path, adapter_state: dict):
-    from grpo_accel.build import build_tokenizer_and_model
+    from grpo_accel.recipe.build import build_tokenizer_and_model
     from grpo_accel.checkpoint import Checkpoint
-    from grpo_accel.config import ConfigError, ModelConfig, build_section
+    from grpo_accel.recipe.checks import ConfigError
+    from grpo_accel.recipe.loading import build_section
+    from grpo_accel.recipe.schema import ModelConfig
     from grpo_accel.lora import apply_lora
 
     run = Checkpoint.read_metadata(checkpoint).get("user", {}).get("config")

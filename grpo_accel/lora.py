@@ -15,7 +15,8 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from grpo_accel.config import ConfigError, LoraConfig
+from grpo_accel.recipe.checks import ConfigError
+from grpo_accel.recipe.schema import LoraConfig
 
 ADAPTER = "default"  # PEFT's name for a model's one adapter
 PEFT_PREFIX = "base_model.model."  # what PEFT puts before the base model's parameter names

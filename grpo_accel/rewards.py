@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 import re
 import threading
 from typing import Callable, Mapping, Sequence

@@ -31,7 +31,7 @@ from grpo_accel.distributed import any_process, configure_deepspeed_for, zero_st
 from grpo_accel.hooks import Hooks
 from grpo_accel.layout import BatchLayout
 from grpo_accel.loss import add_in_chunks, distributed_normalizer
-from grpo_accel.reporting import Reporter, ReportSettings
+from grpo_accel.reporting.reporter import Reporter, ReportSettings
 from grpo_accel.rollout.background import staleness
 from grpo_accel.runtime import stop_on_signals
 from grpo_accel.stepper import MixedPrecisionOptimizationStepper

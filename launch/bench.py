@@ -33,7 +33,7 @@ import torch
 from bench_items import items_table, measure_items, timed  # launch/ is on the path: run as a script
 
 from grpo_accel import batch as K
-from grpo_accel.config import DECODERS
+from grpo_accel.rollout.decode import DECODERS
 
 SIZES = {  # hidden, layers, heads, intermediate: built-in Llama sizes (random weights); "tiny": build_tiny_qwen2
     "tiny": None,
@@ -193,8 +193,8 @@ def _tokenizer_and_model(args):
     from grpo_accel.tasks.tiny import TinyModelSpec, build_char_tokenizer, build_tiny_model, build_tiny_qwen2
 
     if args.model is not None:  # weights and tokenizer, e.g. from save_pretrained
-        from grpo_accel.build import build_tokenizer_and_model
-        from grpo_accel.config import ModelConfig
+        from grpo_accel.recipe.build import build_tokenizer_and_model
+        from grpo_accel.recipe.schema import ModelConfig
 
         return build_tokenizer_and_model(ModelConfig(name_or_path=args.model, dtype=args.dtype))
     tokenizer = build_char_tokenizer()

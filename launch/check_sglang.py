@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch
 import yaml
 
-from grpo_accel import sglang_api as api
+from grpo_accel.sglang import api
 from grpo_accel.http import HTTPClient, ServerError
 
 PROMPTS = ["What is 2+3?", "Name a colour.", "1+2=", "Write one word."]

@@ -24,8 +24,9 @@ sys.path.insert(1, str(Path.cwd()))  # reward functions named `module:function` 
 
 import yaml
 
-from grpo_accel.config import GRPOConfig, load_config, to_dict
-from grpo_accel.run_folder import RunFolderLock
+from grpo_accel.recipe.loading import load_config, to_dict
+from grpo_accel.recipe.schema import GRPOConfig
+from grpo_accel.recipe.run_folder import RunFolderLock
 
 log = logging.getLogger("grpo_accel.train")
 
@@ -33,22 +34,22 @@ log = logging.getLogger("grpo_accel.train")
 def build_trainer(cfg: GRPOConfig):
     import torch
 
-    from grpo_accel.build import build_environment, build_policy, build_rewards, build_rows
+    from grpo_accel.recipe.build import batch_layout, build_environment, build_policy, build_rewards, build_rows
     from grpo_accel.checkpoint import Checkpoint, CheckpointRotation
-    from grpo_accel.config import ConfigError
+    from grpo_accel.recipe.checks import ConfigError
     from grpo_accel.distributed import launch_world_size, make_accelerator, preflight
-    from grpo_accel.evaluation import Evaluator
+    from grpo_accel.reporting.evaluation import Evaluator
     from grpo_accel.lora import trainable_parameters
     from grpo_accel.loss import GRPOLoss
     from grpo_accel.rollout.collector import GRPOCollector
-    from grpo_accel.run_folder import data_fingerprints, start_point
-    from grpo_accel.tracking import TensorBoardLogger
+    from grpo_accel.recipe.run_folder import data_fingerprints, start_point
+    from grpo_accel.reporting.tracking import TensorBoardLogger
     from grpo_accel.trainer import GRPOTrainer
 
     t, r, lc = cfg.trainer, cfg.rollout, cfg.loss
     # Everything that can be checked without a process group is checked first.
     preflight()
-    cfg.batch_layout(launch_world_size())
+    batch_layout(cfg, launch_world_size())
     per_step = r.prompts_per_batch * r.group_size
     if t.total_frames % per_step:
         rounded = -(-t.total_frames // per_step) * per_step
@@ -71,7 +72,7 @@ def build_trainer(cfg: GRPOConfig):
     accelerator = make_accelerator(t.gradient_accumulation_steps, t.mixed_precision)
     log.info("process group ready: rank %d of %d (%s)", accelerator.process_index, accelerator.num_processes,
              accelerator.distributed_type.name)
-    layout = cfg.batch_layout(accelerator.num_processes)
+    layout = batch_layout(cfg, accelerator.num_processes)
     if accelerator.is_main_process:  # the start-up block once, not once per process
         log.info(layout.describe())
     engine, sender = build_engine_and_sender(cfg, model, tokenizer, accelerator)
@@ -87,7 +88,7 @@ def build_trainer(cfg: GRPOConfig):
     loss = GRPOLoss(
         model, reference, clip_epsilon=(lc.clip_eps_low, lc.clip_eps_high),
         kl_coef=lc.kl_coef, kl_estimator=lc.kl_estimator, aggregation=lc.aggregation,
-        max_completion_tokens=r.model_tokens_per_completion, importance_level=lc.importance_level, tis_cap=lc.tis_cap,
+        max_completion_tokens=r.max_completion_tokens, importance_level=lc.importance_level, tis_cap=lc.tis_cap,
         temperature=r.temperature, packing=lc.packing,
     )
     o = cfg.optim
@@ -133,9 +134,9 @@ def build_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
     r, w = cfg.rollout, cfg.weight_sync
     if r.backend == "sglang":
         from grpo_accel.batch import stop_token_ids
-        from grpo_accel.config import ConfigError
-        from grpo_accel.rollout.sglang import SGLangEngine
-        from grpo_accel.weight_sync import sglang as senders
+        from grpo_accel.recipe.checks import ConfigError
+        from grpo_accel.sglang.engine import SGLangEngine
+        from grpo_accel.sglang import sender as senders
 
         engine = SGLangEngine(r.urls, tokenizer, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                               top_p=r.top_p, top_k=r.top_k, api_key=r.api_key, health_timeout_s=r.health_timeout_s,
@@ -209,7 +210,7 @@ def write_config(out: Path, cfg: GRPOConfig) -> None:
 
 def keys_with_defaults() -> str:
     """Every config key with its default, for --help (meanings: README.md, "Configuration")."""
-    from grpo_accel.config import flatten_keys
+    from grpo_accel.recipe.loading import flatten_keys
 
     flat = flatten_keys(to_dict(GRPOConfig()))
     return "keys (key=default; README.md, section Configuration, says what each means):\n" + "\n".join(
@@ -305,15 +306,15 @@ def run(cfg: GRPOConfig, start: float) -> int:
 def user_errors() -> tuple[type[Exception], ...]:
     """Our errors whose message names the setting or file, the value and the fix: no traceback needed."""
     from grpo_accel.checkpoint import CheckpointError
-    from grpo_accel.config import ConfigError
+    from grpo_accel.recipe.checks import ConfigError
     from grpo_accel.data import DataError
     from grpo_accel.distributed import DistributedConfigError
     from grpo_accel.http import ServerError
     from grpo_accel.reward_sources import RewardFault
     from grpo_accel.rewards import RewardError
     from grpo_accel.rollout.episodes import EpisodeError
-    from grpo_accel.run_folder import RunFolderBusy
-    from grpo_accel.weight_sync.sglang import WeightSyncError
+    from grpo_accel.recipe.run_folder import RunFolderBusy
+    from grpo_accel.sglang.sender import WeightSyncError
 
     return (ConfigError, DataError, DistributedConfigError, CheckpointError, RunFolderBusy, RewardError, RewardFault,
             EpisodeError, ServerError, WeightSyncError)

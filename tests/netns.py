@@ -5,7 +5,6 @@ other only through that pair, so an address that works only on loopback fails th
 Plain subprocess and urllib here, as in tests/standin.py: nothing of grpo_accel's own client."""
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import time

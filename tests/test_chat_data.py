@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from grpo_accel import batch as K
-from grpo_accel.build import build_rows
-from grpo_accel.config import ConfigError, DataConfig
+from grpo_accel.recipe.build import build_rows
+from grpo_accel.recipe.checks import ConfigError
+from grpo_accel.recipe.schema import DataConfig
 from grpo_accel.data import DataError, encode_prompts, load_rows, validate_rows
 from grpo_accel.rewards import RewardSet
 from grpo_accel.rollout.collector import GRPOCollector

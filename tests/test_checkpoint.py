@@ -148,9 +148,9 @@ def test_run_folder_lock_names_a_live_holder_and_takes_over_from_a_dead_one(tmp_
     import subprocess
     import sys
 
-    from grpo_accel.run_folder import RunFolderBusy, RunFolderLock
+    from grpo_accel.recipe.run_folder import RunFolderBusy, RunFolderLock
 
-    holder = subprocess.Popen([sys.executable, "-c", "import time; from grpo_accel.run_folder import RunFolderLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import time; from grpo_accel.recipe.run_folder import RunFolderLock; "
                                f"RunFolderLock({str(tmp_path)!r}).acquire(); print(flush=True); time.sleep(300)"],
                               stdout=subprocess.PIPE, text=True)
     holder.stdout.readline()
@@ -161,7 +161,7 @@ def test_run_folder_lock_names_a_live_holder_and_takes_over_from_a_dead_one(tmp_
     finally:
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait()
-    with caplog.at_level("WARNING", logger="grpo_accel.run_folder"):
+    with caplog.at_level("WARNING", logger="grpo_accel.recipe.run_folder"):
         lock.acquire()
     assert f"taking over the lock of pid {holder.pid}" in caplog.text and lock.held
     with pytest.raises(RunFolderBusy, match=f"pid {os.getpid()}"):  # held by this live process now

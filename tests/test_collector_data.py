@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from grpo_accel import batch as K
-from grpo_accel.build import build_rewards, build_rows, resolve_reward
-from grpo_accel.config import ConfigError, DataConfig, RewardConfig
+from grpo_accel.recipe.build import build_rewards, build_rows, resolve_reward
+from grpo_accel.recipe.checks import ConfigError
+from grpo_accel.recipe.rollout_schema import RewardConfig
+from grpo_accel.recipe.schema import DataConfig
 from grpo_accel.data import DataError, load_rows, validate_rows
 from grpo_accel.rewards import RewardSet, answer_match, format_match
 from grpo_accel.rollout.collector import GRPOCollector

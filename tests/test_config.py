@@ -4,7 +4,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpo_accel.config import ConfigError, GRPOConfig, load_config, to_dict
+from grpo_accel.recipe.build import batch_layout
+from grpo_accel.recipe.checks import ConfigError
+from grpo_accel.recipe.loading import load_config, to_dict
+from grpo_accel.recipe.schema import GRPOConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -12,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("path", sorted((ROOT / "launch" / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_experiment_config_loads_and_lays_out(path):
     cfg = load_config(path)
-    assert "completions per collected batch" in cfg.batch_layout(1).describe()
+    assert "completions per collected batch" in batch_layout(cfg, 1).describe()
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "launch" / "configs").glob("*.yaml")), ids=lambda p: p.name)
@@ -84,30 +87,30 @@ def test_bad_values_name_key_value_and_fix(override, message):
 def test_batch_layout_must_divide():
     cfg = load_config(None, ["rollout.prompts_per_batch=6"])
     with pytest.raises(ConfigError, match="rollout.prompts_per_batch=6: must be a positive multiple of the 4 processes"):
-        cfg.batch_layout(4)
+        batch_layout(cfg, 4)
     with pytest.raises(ConfigError, match=r"micro_batch_completions=128: 1 micro-batches per epoch \(64 completions / "
                                           r"128\) is not a multiple of trainer.gradient_accumulation_steps=2; .*one of "
                                           r"\[1, 2, 4, 8, 16, 32\], or auto"):
-        load_config(None, ["trainer.gradient_accumulation_steps=2", "rollout.prompts_per_batch=8",
-                           "trainer.micro_batch_completions=128"]).batch_layout(1)
-    layout = load_config(None, ["trainer.micro_batch_completions=32", "trainer.gradient_accumulation_steps=2"]).batch_layout(2)
+        batch_layout(load_config(None, ["trainer.gradient_accumulation_steps=2", "rollout.prompts_per_batch=8",
+                           "trainer.micro_batch_completions=128"]), 1)
+    layout = batch_layout(load_config(None, ["trainer.micro_batch_completions=32", "trainer.gradient_accumulation_steps=2"]), 2)
     assert (layout.completions_per_process, layout.micro_batches(), layout.optimizer_steps()) == (64, 2, 1)
     # the last micro-batch may be short: 64 completions in micro-batches of 24 are 24, 24, 16, one step of 3
-    layout = load_config(None, ["rollout.prompts_per_batch=8", "trainer.micro_batch_completions=24",
-                                "trainer.gradient_accumulation_steps=3"]).batch_layout(1)
+    layout = batch_layout(load_config(None, ["rollout.prompts_per_batch=8", "trainer.micro_batch_completions=24",
+                                "trainer.gradient_accumulation_steps=3"]), 1)
     assert (layout.micro_batches(), layout.optimizer_steps()) == (3, 1)
     with pytest.raises(ConfigError, match="trainer.optim_steps_per_batch=3: must be a multiple of trainer.gradient_accumulation_steps=2"):
-        load_config(None, ["trainer.optim_steps_per_batch=3", "trainer.gradient_accumulation_steps=2"]).batch_layout(1)
+        batch_layout(load_config(None, ["trainer.optim_steps_per_batch=3", "trainer.gradient_accumulation_steps=2"]), 1)
 
 
 @pytest.mark.parametrize("processes, accumulation, micro", [(1, 1, 128), (2, 1, 64), (4, 2, 16), (8, 1, 16)])
 def test_auto_micro_batches_fit_any_process_count_that_divides_the_prompts(processes, accumulation, micro):
     cfg = load_config(None, [f"trainer.gradient_accumulation_steps={accumulation}"])
-    layout = cfg.batch_layout(processes)
+    layout = batch_layout(cfg, processes)
     assert cfg.trainer.micro_batch_completions == "auto" and layout.micro_batch == micro
     assert f"micro-batches of {micro}" in layout.describe()
     with pytest.raises(ConfigError, match=r"gradient_accumulation_steps=3: .* use one of \[1, 2, 4, 8, 16, 32, 64\]"):
-        load_config(None, ["trainer.gradient_accumulation_steps=3"]).batch_layout(2)
+        batch_layout(load_config(None, ["trainer.gradient_accumulation_steps=3"]), 2)
     with pytest.raises(ConfigError, match="micro_batch_completions='soon': must be an integer or 'auto'"):
         load_config(None, ["trainer.micro_batch_completions=soon"])
 
@@ -122,7 +125,7 @@ def test_missing_and_broken_files(tmp_path):
 
 
 def test_renamed_keys_name_their_new_name_and_old_checkpoints_still_match():
-    from grpo_accel.config import resume_conflicts
+    from grpo_accel.recipe.loading import resume_conflicts
 
     for old, new in [("rollout.prompts_per_step", "rollout.prompts_per_batch"),
                      ("weight_sync.verify_names", "weight_sync.verify_tensors")]:

@@ -71,7 +71,7 @@ def assert_bounded_console(proc):
 
 
 def curves(out):
-    from grpo_accel.tracking import read_scalars
+    from grpo_accel.reporting.tracking import read_scalars
 
     scalars = read_scalars(out / "tensorboard")
     return {tag: [v for _, v in scalars[tag]] for tag in TAGS}, json.loads((out / "summary.json").read_text())
@@ -151,7 +151,7 @@ def test_bf16_under_zero3_learns_with_finite_loss(tmp_path):
     out = tmp_path / "bf16"
     launch("zero3.yaml", [f"output_dir={out}", "trainer.total_frames=3072", "trainer.progress_bar=false",
                           "trainer.micro_batch_completions=64", "trainer.mixed_precision=bf16", "optim.lr=3e-3"])
-    from grpo_accel.tracking import read_scalars
+    from grpo_accel.reporting.tracking import read_scalars
 
     scalars = read_scalars(out / "tensorboard")
     losses = [v for _, v in scalars["train/loss"]]

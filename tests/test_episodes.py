@@ -316,7 +316,7 @@ def test_episodes_on_sglang_send_each_turn_as_input_ids(tok, short_turns):
     make episodes reproducible."""
     from transformers import AutoModelForCausalLM
 
-    from grpo_accel.rollout.sglang import SGLangEngine
+    from grpo_accel.sglang.engine import SGLangEngine
     from standin import standin_server
 
     with standin_server(short_turns, "--deterministic") as url:
@@ -367,8 +367,10 @@ def test_launched_runs_train_on_episodes(tmp_path, short_turns, config, extra):
 
 
 def test_environment_settings_build_or_name_the_fix():
-    from grpo_accel.build import build_environment, build_rows
-    from grpo_accel.config import ConfigError, DataConfig, RolloutConfig
+    from grpo_accel.recipe.build import build_environment, build_rows
+    from grpo_accel.recipe.checks import ConfigError
+    from grpo_accel.recipe.rollout_schema import RolloutConfig
+    from grpo_accel.recipe.schema import DataConfig
 
     data = DataConfig(task="calculator", max_operand=20, holdout=4, system_prompt="Calculate.")
     assert build_environment(RolloutConfig(), data) is None
@@ -386,9 +388,9 @@ def test_environment_settings_build_or_name_the_fix():
     for key, value in [("max_turns", 0), ("max_episode_tokens", 0), ("tool_timeout_s", 0)]:
         with pytest.raises(ConfigError, match=f"rollout.{key}={value}"):
             RolloutConfig(**{key: value})
-    assert RolloutConfig(environment="calculator", max_turns=3, max_new_tokens=40).model_tokens_per_completion == 120
+    assert RolloutConfig(environment="calculator", max_turns=3, max_new_tokens=40).max_completion_tokens == 120
     assert RolloutConfig(environment="calculator", max_turns=3, max_new_tokens=40,
-                         max_episode_tokens=100).model_tokens_per_completion == 100
+                         max_episode_tokens=100).max_completion_tokens == 100
     train, held_out = build_rows(data)
     assert len(held_out) == 4 and all(r["prompt"][-1]["content"].startswith("What is ") for r in train)
     assert not {r["prompt"][-1]["content"] for r in train} & {r["prompt"][-1]["content"] for r in held_out}
@@ -410,7 +412,7 @@ def test_the_calculator_recipe_runs_on_the_real_model(tmp_path, smollm2):
     """launch/configs/smollm2_calculator.yaml's path at a tiny scale, in this process: SmolLM2 from its folder,
     the calculator task and tool environment, evaluation of held-out episodes before and after, episode metrics
     and the engine/trainer logprob gap over episodes (prefix-shared later turns included)."""
-    from grpo_accel.tracking import read_scalars
+    from grpo_accel.reporting.tracking import read_scalars
     from launching import ROOT
     from trainer_utils import train_in_process
 

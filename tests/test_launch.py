@@ -16,7 +16,7 @@ def test_embedded_default_learns_and_logs_to_tensorboard(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["iterations"] == 200
     assert summary["reward_last10_mean"] > summary["reward_first10_mean"] + 0.15, summary
-    from grpo_accel.tracking import read_scalars
+    from grpo_accel.reporting.tracking import read_scalars
 
     scalars = read_scalars(out / "tensorboard")
     for tag in ("train/reward_mean", "train/reward_std", "train/loss", "train/clip_fraction", "train/kl_approx",
@@ -27,7 +27,7 @@ def test_embedded_default_learns_and_logs_to_tensorboard(tmp_path):
     assert {round(v, 9) for _, v in scalars["train/lr"]} == {3e-4} and min(v for _, v in scalars["time/generate"]) > 0
     # the embedded engine samples with the trained weights: only batching and kernels set them apart
     assert max(v for _, v in scalars["train/engine_logprob_abs_diff"]) < 1e-4
-    from grpo_accel.tracking import read_texts
+    from grpo_accel.reporting.tracking import read_texts
 
     samples = read_texts(out / "tensorboard")["samples"]
     assert [step for step, _ in samples][:2] == [1, 2] and len(samples) == 200
@@ -43,7 +43,7 @@ def test_the_smollm2_recipe_runs_end_to_end_on_a_saved_chat_dataset(tmp_path, sm
     import datasets
 
     from grpo_accel.tasks.chat_arithmetic import chat_arithmetic_rows
-    from grpo_accel.tracking import read_scalars, read_texts
+    from grpo_accel.reporting.tracking import read_scalars, read_texts
 
     train, held_out = chat_arithmetic_rows(99, holdout=2, count=6)
     renamed = lambda rows: datasets.Dataset.from_list(  # noqa: E731 - a dataset with its own column names
@@ -80,7 +80,7 @@ def test_bad_input_is_a_named_error_before_anything_is_built(tmp_path, monkeypat
     monkeypatch.syspath_prepend(str(ROOT / "launch"))
     from train import build_trainer, user_errors
 
-    from grpo_accel.config import load_config
+    from grpo_accel.recipe.loading import load_config
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
@@ -124,7 +124,7 @@ def test_every_experiment_config_runs(tmp_path, config):
         "trainer.progress_bar=false", "eval.every_iterations=2",
         *(["data.holdout=4"] if config != "dapo.yaml" else []),
         *(["rollout.embedded_worker=true"] if config == "async.yaml" else [])]) == 0  # and the decode worker
-    from grpo_accel.tracking import read_scalars
+    from grpo_accel.reporting.tracking import read_scalars
 
     scalars = read_scalars(out / "tensorboard")
     assert len(scalars["train/loss"]) == 4
@@ -175,8 +175,9 @@ def test_a_launch_that_times_out_is_killed_with_its_children(tmp_path):
 
 
 def test_model_folders_that_cannot_work_are_named_before_training(tmp_path, tokenizer, tiny_model):
-    from grpo_accel.build import build_tokenizer_and_model
-    from grpo_accel.config import ConfigError, ModelConfig
+    from grpo_accel.recipe.build import build_tokenizer_and_model
+    from grpo_accel.recipe.checks import ConfigError
+    from grpo_accel.recipe.schema import ModelConfig
     from grpo_accel.tasks.tiny import build_char_tokenizer
 
     no_tokenizer, mismatched = tmp_path / "no_tokenizer", tmp_path / "mismatched"

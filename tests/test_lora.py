@@ -7,9 +7,11 @@ import json
 import pytest
 import torch
 
-from grpo_accel.build import build_policy
+from grpo_accel.recipe.build import build_policy
 from grpo_accel.checkpoint import Checkpoint, CheckpointError
-from grpo_accel.config import ConfigError, LoraConfig, load_config, to_dict
+from grpo_accel.recipe.checks import ConfigError
+from grpo_accel.recipe.loading import load_config, to_dict
+from grpo_accel.recipe.schema import LoraConfig
 from grpo_accel.distributed import optimizer_state_bytes, trainable_elements
 from grpo_accel.export import export_checkpoint, load_policy
 from grpo_accel.lora import BasePolicy, apply_lora, merge_lora

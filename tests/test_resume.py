@@ -28,7 +28,7 @@ def contents(folder):
 
 
 def curves(out):
-    from grpo_accel.tracking import read_scalars
+    from grpo_accel.reporting.tracking import read_scalars
 
     scalars = read_scalars(out / "tensorboard")
     return {tag: scalars[tag] for tag in ("train/loss", "train/reward_mean", "train/entropy", "train/grad_norm")}
@@ -129,7 +129,7 @@ def test_resume_with_another_process_count_says_how(tmp_path, straight, never):
 
 def test_resume_with_other_settings_names_them(tmp_path, straight, never):
     """launch/train.py's start point: refused before anything is built, the run folder untouched."""
-    from grpo_accel.config import ConfigError
+    from grpo_accel.recipe.checks import ConfigError
 
     run = tmp_path / "run"
     shutil.copytree(straight("zero2.yaml"), run)
@@ -150,9 +150,9 @@ def test_a_fresh_run_never_lands_on_another_runs_outputs(tmp_path, caplog):
     import subprocess
     import sys
 
-    from grpo_accel.config import ConfigError
-    from grpo_accel.run_folder import RunFolderBusy
-    from grpo_accel.tracking import read_scalars
+    from grpo_accel.recipe.checks import ConfigError
+    from grpo_accel.recipe.run_folder import RunFolderBusy
+    from grpo_accel.reporting.tracking import read_scalars
 
     run = tmp_path / "run"
     train_in_process([f"output_dir={run}", f"trainer.total_frames={2 * BATCH}", *BASE])
@@ -162,7 +162,7 @@ def test_a_fresh_run_never_lands_on_another_runs_outputs(tmp_path, caplog):
     assert "checkpoint.resume=auto continues that run" in str(err.value) and "overwrite=true" in str(err.value)
     assert contents(run) == before
 
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from grpo_accel.run_folder import RunFolderLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from grpo_accel.recipe.run_folder import RunFolderLock; "
                                f"RunFolderLock({str(run)!r}).acquire(); print(flush=True); time.sleep(300)"],
                               stdout=subprocess.PIPE, text=True)
     holder.stdout.readline()

@@ -63,7 +63,7 @@ def test_a_call_that_overruns_or_fails_gets_the_fallback_and_its_worker_is_repla
 def test_a_run_with_a_reward_that_sleeps_past_its_limit_goes_on(tmp_path):
     """Some completions make the function sleep 60 s: those get the fallback, the run goes on, the timeouts
     are counted in train/reward/<name>_timeouts, and no worker process is left behind."""
-    from grpo_accel.tracking import read_scalars
+    from grpo_accel.reporting.tracking import read_scalars
 
     out = tmp_path / "run"
     train_in_process([f"output_dir={out}", "rollout.prompts_per_batch=4", "rollout.group_size=4",
@@ -170,7 +170,7 @@ def test_a_reward_model_built_in_code_trains_the_tiny_policy(tokenizer, tmp_path
     launch("zero3.yaml", [f"output_dir={tmp_path / 'zero3'}", *args])
     import json
 
-    from grpo_accel.tracking import read_scalars
+    from grpo_accel.reporting.tracking import read_scalars
 
     summary = json.loads((tmp_path / "single" / "summary.json").read_text())
     assert summary["reward_last10_mean"] > summary["reward_first10_mean"] + 0.05, summary
@@ -184,7 +184,7 @@ def test_a_reward_service_stopped_mid_run_scores_its_fallback_and_the_run_goes_o
     in train/reward/remote_errors, and the run finishes."""
     import threading
 
-    from grpo_accel.tracking import read_scalars
+    from grpo_accel.reporting.tracking import read_scalars
 
     url, proc = reward_server
 

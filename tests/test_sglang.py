@@ -12,7 +12,7 @@ import torch
 from grpo_accel import batch as K
 from grpo_accel.http import HTTPClient, ServerError
 from grpo_accel.logprobs import sequence_logprobs
-from grpo_accel.rollout.sglang import SGLangEngine
+from grpo_accel.sglang.engine import SGLangEngine
 from conftest import save_model
 from launching import ROOT, free_port, launch
 from sglang_source import VERSIONS
@@ -144,7 +144,7 @@ def assert_server_holds(url, model):
 
 
 def distributed_sender(accelerator, model, url, **kw):
-    from grpo_accel.weight_sync.sglang import DistributedWeightSender
+    from grpo_accel.sglang.sender import DistributedWeightSender
 
     kw = {"master_port": free_port(), "dtype": torch.float32, "bucket_mb": 0.05, "timeout_s": 60, **kw}
     return DistributedWeightSender(accelerator, model, [url] if isinstance(url, str) else url, **kw)
@@ -188,7 +188,7 @@ def test_verification_catches_a_server_that_did_not_load(accelerator, model_dir,
     by the probe logprobs for a model that does not implement it (Qwen2), said once."""
     from transformers import AutoModelForCausalLM
 
-    from grpo_accel.weight_sync.sglang import WeightSyncError
+    from grpo_accel.sglang.sender import WeightSyncError
 
     for folder, expected in ((model_dir, "differs from the trainer's"), (qwen_dir, "probe logprobs differ")):
         model = AutoModelForCausalLM.from_pretrained(folder)
@@ -207,7 +207,7 @@ def test_verification_catches_a_server_that_did_not_load(accelerator, model_dir,
 
 
 def test_the_group_join_failure_names_the_store_and_the_servers(accelerator, model_dir, servers):
-    from grpo_accel.weight_sync.sglang import WeightSyncError
+    from grpo_accel.sglang.sender import WeightSyncError
 
     url, port = servers.get(model_dir), free_port()  # the hung join ends at the next reset
     fail_next(url, "/init_weights_update_group", "hang")
@@ -275,7 +275,7 @@ def test_tensor_path_needs_sglang_and_a_gpu(tokenizer):
     from accelerate import Accelerator
 
     from grpo_accel.tasks.tiny import build_tiny_model
-    from grpo_accel.weight_sync.sglang import TensorWeightSender
+    from grpo_accel.sglang.sender import TensorWeightSender
 
     with pytest.raises((ImportError, RuntimeError), match="sglang|GPU"):
         TensorWeightSender(Accelerator(), build_tiny_model(tokenizer), ["http://127.0.0.1:1"])
@@ -329,7 +329,7 @@ def test_zero3_grpo_run_keeps_the_server_weights_equal_to_the_trainer(tmp_path, 
     assert state["weight_version"] == "3" and state["loads"] > 3 and state["groups"] == []
     assert [line.split()[:2] for line in verdicts.splitlines() if line[:4] in ("PASS", "FAIL", "SKIP")] == [
         ["PASS", "release:"], ["PASS", "weight"], ["PASS", "weights:"], ["PASS", "generations:"]], verdicts
-    from grpo_accel.tracking import read_scalars
+    from grpo_accel.reporting.tracking import read_scalars
 
     versions = [v for _, v in read_scalars(out / "tensorboard")["train/weight_version_mean"]]
     assert versions == [0.0, 1.0, 2.0], "each batch was generated with the weights pushed after the previous one"
@@ -363,7 +363,7 @@ def test_a_sync_that_keeps_failing_stops_with_a_checkpoint_and_the_resume_pushes
     after batch 1, every process together; its resume pushes that checkpoint's weights (one failed bucket,
     pushed again) before it generates batch 2."""
     from grpo_accel.checkpoint import Checkpoint
-    from grpo_accel.tracking import read_scalars
+    from grpo_accel.reporting.tracking import read_scalars
 
     url, out = fresh_server(), tmp_path / "run"
     fail_next(url, "/update_weights_from_distributed", times=2)

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from grpo_accel import sglang_api as api
+from grpo_accel.sglang import api
 from launching import ROOT, free_port
 from sglang_source import VERSIONS, SGLangSource
 
@@ -109,7 +109,7 @@ def test_topologies_sglang_cannot_update_are_refused_up_front(field, flag):
 
 def test_dp_attention_and_disk_updates_are_served_at_any_dp_size():
     """SGLang asserts ``dp_size == 1 or enable_dp_attention`` for distributed/tensor updates and nothing of the
-    kind for disk updates (the sources cited in grpo_accel.sglang_api)."""
+    kind for disk updates (the sources cited in grpo_accel.sglang.api)."""
     replicas = api.ServerInfo.from_json("http://s", {"version": "0.5.9", "dp_size": 2})
     with pytest.raises(RuntimeError, match="unless it runs --enable-dp-attention"):
         replicas.check_weight_updates("tensor")
@@ -134,7 +134,7 @@ dist.destroy_process_group(pg)  # an exit with the group alive can abort in gloo
 def test_the_trainer_and_sglangs_own_join_meet_in_one_group(source):
     """SGLang's init_custom_process_group (its code, run in a second process) joins the group the trainer hosts
     and receives a broadcast: both sides use the same store keys."""
-    from grpo_accel.weight_sync.group import WeightUpdateGroup
+    from grpo_accel.sglang.group import WeightUpdateGroup
 
     port = free_port()
     group = WeightUpdateGroup("gloo", "127.0.0.1", port, 2, "weight_update_group", timeout_s=60)

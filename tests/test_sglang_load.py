@@ -16,7 +16,7 @@ from grpo_accel import batch as K
 from grpo_accel.data import DataError
 from grpo_accel.http import HTTPClient, ServerError
 from grpo_accel.logprobs import sequence_logprobs
-from grpo_accel.rollout.sglang import SGLangEngine
+from grpo_accel.sglang.engine import SGLangEngine
 from launching import free_port, launch
 from sglang_source import VERSIONS
 from standin import NEWEST, control, fail_next, server_state
@@ -32,7 +32,7 @@ def accelerator():
 
 
 def distributed_sender(accelerator, model, urls, **kw):
-    from grpo_accel.weight_sync.sglang import DistributedWeightSender
+    from grpo_accel.sglang.sender import DistributedWeightSender
 
     kw = {"master_port": free_port(), "dtype": torch.float32, "bucket_mb": 0.05, "timeout_s": 60, **kw}
     return DistributedWeightSender(accelerator, model, urls, **kw)
@@ -167,7 +167,7 @@ def test_episodes_that_fill_the_context_end_length_on_both_engines(servers, tmp_
             for ids, p in zip(body["input_ids"], body["sampling_params"])]
     assert max(sent) <= context - 1
     # and a run on such episodes trains on (launch/train.py in this process)
-    from grpo_accel.tracking import read_scalars
+    from grpo_accel.reporting.tracking import read_scalars
 
     data, out = tmp_path / "rows.jsonl", tmp_path / "run"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows * 2))
@@ -186,7 +186,7 @@ def test_episodes_that_fill_the_context_end_length_on_both_engines(servers, tmp_
 
 
 def test_a_share_goes_out_as_bounded_requests_each_retried_alone(model_dir, servers, tokenizer, caplog):
-    caplog.set_level(logging.INFO, "grpo_accel.rollout.sglang")
+    caplog.set_level(logging.INFO, "grpo_accel.sglang.engine")
     url = servers.get(model_dir, "--deterministic", "--decode-delay", "0.1")
     fail_next(url, "/generate", "http_500")  # the first request to arrive fails once
     engine = SGLangEngine([url], tokenizer, max_new_tokens=6, request_size=2, backoff_s=0.01, report_every_s=0.2)
@@ -236,7 +236,7 @@ def test_zero3_async_run_with_four_pushes_per_batch_keeps_every_token(tmp_path, 
     optimizer steps, each followed by a push, while the next batch is generated (a decode step lasts 0.2 s). The
     run finishes, the server holds the trainer's final weights bitwise, no token was aborted or drawn for
     nothing, and the partial rollouts are in the metrics."""
-    from grpo_accel.tracking import read_scalars
+    from grpo_accel.reporting.tracking import read_scalars
     from test_sglang import assert_server_holds_checkpoint, sglang_args
 
     url, out = servers.get(model_dir, "--deterministic", "--decode-delay", "0.2"), tmp_path / "run"
@@ -307,7 +307,7 @@ def test_colocated_servers_free_their_memory_while_the_trainer_trains(tmp_path, 
     frees its KV cache, weights and CUDA graphs; the push takes back the weights first, loads them, then the KV
     cache, before anything is generated again (the stand-in answers 500 to generation or loading on freed memory,
     and a server without the flag is refused at start)."""
-    from grpo_accel.config import ConfigError
+    from grpo_accel.recipe.checks import ConfigError
     from test_sglang import assert_server_holds_checkpoint, sglang_args
 
     url, out = servers.get(model_dir, "--deterministic", "--enable-memory-saver"), tmp_path / "run"
@@ -323,7 +323,7 @@ def test_colocated_servers_free_their_memory_while_the_trainer_trains(tmp_path, 
     one_batch = ["generate", "release kv_cache,weights,cuda_graph", "resume weights", "load",
                  "resume kv_cache,cuda_graph"]
     assert calls[:10] == one_batch * 2 and calls.count("release kv_cache,weights,cuda_graph") == 3
-    from grpo_accel.config import load_config
+    from grpo_accel.recipe.loading import load_config
 
     with pytest.raises(ConfigError, match="colocated servers free their memory while the trainer trains"):
         load_config(None, ["rollout.backend=sglang", "rollout.urls=[http://h:1]", "rollout.colocate=true",

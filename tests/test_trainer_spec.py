@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from grpo_accel import batch as K
-from grpo_accel.evaluation import Evaluator
+from grpo_accel.reporting.evaluation import Evaluator
 from grpo_accel.hooks import STAGES, HookError
 from grpo_accel.rewards import RewardSet, answer_match, format_match
 from grpo_accel.rollout.collector import GRPOCollector

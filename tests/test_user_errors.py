@@ -104,7 +104,7 @@ def test_an_environment_that_answers_garbage_stops_the_episode_naming_it(answer,
 
 
 def test_an_output_dir_that_cannot_be_written_is_one_line_before_any_work(tmp_path):
-    from grpo_accel.run_folder import RunFolderBusy
+    from grpo_accel.recipe.run_folder import RunFolderBusy
     from trainer_utils import main_in_process
 
     blocker = tmp_path / "a_file"
@@ -170,7 +170,7 @@ def test_sglang_requests_name_the_models_stop_ids(two_stop_model, tokenizer, ser
     SGLang does (the matched id last in ``output_ids``)."""
     from transformers import AutoModelForCausalLM
 
-    from grpo_accel.rollout.sglang import SGLangEngine
+    from grpo_accel.sglang.engine import SGLangEngine
     from standin import server_state
 
     folder, stop = two_stop_model
@@ -224,7 +224,7 @@ def test_export_errors_are_one_line(tmp_path):
 def test_paths_are_kept_resolved_so_a_resume_compares_the_files(tmp_path, monkeypatch):
     """data.path given relatively and absolutely is one file (a resume accepts it); the same relative text from
     another folder is another (it stays as written, and differs)."""
-    from grpo_accel.config import load_config, resume_conflicts, to_dict
+    from grpo_accel.recipe.loading import load_config, resume_conflicts, to_dict
 
     (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
     monkeypatch.chdir(tmp_path)
@@ -240,7 +240,7 @@ def test_paths_are_kept_resolved_so_a_resume_compares_the_files(tmp_path, monkey
 def test_a_bad_reward_module_is_refused_before_any_process_group(tmp_path):
     import torch.distributed as dist
 
-    from grpo_accel.config import ConfigError
+    from grpo_accel.recipe.checks import ConfigError
     from trainer_utils import main_in_process
 
     with pytest.raises(ConfigError, match=r"rewards name='nomodule:f': cannot import it"):
@@ -250,14 +250,14 @@ def test_a_bad_reward_module_is_refused_before_any_process_group(tmp_path):
 
 def test_without_a_terminal_progress_is_a_line_now_and_then(tmp_path, monkeypatch, caplog):
     """In a log file a tqdm bar redrew twice per batch (890 redraws in a short run); there it is one log line
-    every reporting.PROGRESS_LINE_S seconds (0 here: one per batch), and no bar."""
+    every reporter.PROGRESS_LINE_S seconds (0 here: one per batch), and no bar."""
     import logging
 
-    from grpo_accel import reporting
+    from grpo_accel.reporting import reporter
     from trainer_utils import train_in_process
 
-    monkeypatch.setattr(reporting, "PROGRESS_LINE_S", 0.0)
-    caplog.set_level(logging.INFO, "grpo_accel.reporting")
+    monkeypatch.setattr(reporter, "PROGRESS_LINE_S", 0.0)
+    caplog.set_level(logging.INFO, "grpo_accel.reporting.reporter")
     train_in_process([f"output_dir={tmp_path}/run", "trainer.total_frames=384", "trainer.progress_bar=true"])
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("progress: ")]
     assert len(lines) == 3 and lines[-1].startswith("progress: 384 of 384 frames (100%), reward ")
@@ -307,7 +307,7 @@ def test_a_resume_on_changed_data_is_refused(tmp_path):
     """The same data.path with other rows in it is other data: the resume names it (the folder untouched)."""
     import json
 
-    from grpo_accel.config import ConfigError
+    from grpo_accel.recipe.checks import ConfigError
     from trainer_utils import train_in_process
 
     data = tmp_path / "rows.jsonl"

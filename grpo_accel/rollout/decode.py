@@ -30,6 +30,8 @@ from grpo_accel import batch as K
 from grpo_accel.logprobs import position_ids_from_mask
 from grpo_accel.rollout.sampling import KeyedSampler, keyed_gumbel
 
+DECODERS = ("auto", "fast", "compiled", "generate")
+"""The embedded engine's decode paths (``EmbeddedEngine(decoder=...)``, ``rollout.decoder``)."""
 MASK_FORMATS = {"sdpa": "bool", "eager": "additive"}  # attention implementations this loop builds masks for
 
 

@@ -12,7 +12,7 @@ from tensordict import TensorDict
 from torch import Tensor, nn
 
 from grpo_accel import batch as K
-from grpo_accel.config import DECODERS
+from grpo_accel.rollout.decode import DECODERS
 from grpo_accel.logprobs import selected_logprobs
 from grpo_accel.rollout.sampling import KeyedSampler
 

@@ -1,4 +1,2 @@
-"""Pushing trained weights to inference engines: ZeRO-aware bucketed gather and SGLang senders.
-
-Nothing here imports ``sglang``: the HTTP and torch.distributed paths need only the standard library and torch.
-"""
+"""Trained weights for inference engines: the ZeRO-aware bucketed gather any sender uses (``gather.py``) and the
+embedded engine's sender (``embedded.py``). SGLang's senders live in :mod:`grpo_accel.sglang`."""

@@ -29,7 +29,7 @@ weight version the server reports (both gathered / computed on every rank, so Ze
 Pausing: ``retract`` (the default) keeps every in-flight request on the server with its tokens and logprobs and
 lets it finish under the new weights, and the cache flush that ends an update succeeds (SGLang's running batch
 is empty then: ``Scheduler.pause_generation`` / ``flush_cache``, srt/managers/scheduler.py); ``abort`` returns
-them cut short and the engine continues them from what they had (:mod:`grpo_accel.rollout.sglang`), which costs
+them cut short and the engine continues them from what they had (:mod:`grpo_accel.sglang.engine`), which costs
 a request per push; ``in_place`` is not offered, its requests stay in the running batch and the flush fails.
 """
 from __future__ import annotations
@@ -45,11 +45,11 @@ from pathlib import Path
 
 import torch
 
-from grpo_accel import sglang_api as api
+from grpo_accel.sglang import api
 from grpo_accel.distributed import any_process, gathered_parameters
 from grpo_accel.http import HTTPClient, ServerError
 from grpo_accel.weight_sync.gather import BucketedGather
-from grpo_accel.weight_sync.group import WeightUpdateGroup, address_towards
+from grpo_accel.sglang.group import WeightUpdateGroup, address_towards
 
 logger = logging.getLogger(__name__)
 

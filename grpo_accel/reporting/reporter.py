@@ -17,7 +17,7 @@ from typing import Callable
 from tensordict import TensorDict
 
 from grpo_accel import batch as K
-from grpo_accel.metrics import completion_samples, mean_over_processes, rollout_scalars
+from grpo_accel.reporting.metrics import completion_samples, mean_over_processes, rollout_scalars
 
 log = logging.getLogger(__name__)
 PROGRESS_LINE_S = 10.0

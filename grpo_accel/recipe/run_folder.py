@@ -32,7 +32,8 @@ def start_point(cfg, checkpoint, first_process: bool) -> Path | None:
     a fresh run, which refuses a folder holding an earlier run's outputs unless ``overwrite=true`` (then the first
     process deletes them). What only the built run knows (process count, ZeRO stage, parameter shapes, whole
     files) :meth:`~grpo_accel.checkpoint.Checkpoint.verify` checks as the checkpoint loads."""
-    from grpo_accel.config import ConfigError, resume_conflicts, to_dict
+    from grpo_accel.recipe.checks import ConfigError
+    from grpo_accel.recipe.loading import resume_conflicts, to_dict
 
     out, resume = Path(cfg.output_dir), checkpoint.resume_path()
     if resume is not None:

@@ -1,4 +1,4 @@
-"""Builders that turn a :class:`~grpo_accel.config.GRPOConfig` into components (used by launch/train.py)."""
+"""Builders that turn a :class:`~grpo_accel.recipe.schema.GRPOConfig` into components (used by launch/train.py)."""
 from __future__ import annotations
 
 import copy
@@ -6,8 +6,11 @@ import functools
 import importlib
 from pathlib import Path
 
-from grpo_accel.config import ConfigError, DataConfig, ModelConfig, RewardConfig, RolloutConfig
+from grpo_accel.recipe.checks import ConfigError
+from grpo_accel.recipe.rollout_schema import RewardConfig, RolloutConfig
+from grpo_accel.recipe.schema import DataConfig, GRPOConfig, ModelConfig
 from grpo_accel.data import load_rows, validate_rows
+from grpo_accel.layout import CONFIG_NAMES, BatchLayout
 from grpo_accel.rewards import BUILTIN_REWARDS, RewardSet, is_async_reward
 from grpo_accel.tasks import BUILTIN_TASKS
 
@@ -158,3 +161,16 @@ def build_environment(rollout: RolloutConfig, data: DataConfig):
         raise ConfigError(f"rollout.environment={name!r} is a {type(factory).__name__}, not a callable that returns "
                           "an Environment.")
     return factory
+
+
+def batch_layout(cfg: GRPOConfig, num_processes: int) -> BatchLayout:
+    """How each collected batch splits over ``num_processes`` (``micro_batch_completions: auto`` resolved);
+    raises naming the setting to change when it does not."""
+    r, t = cfg.rollout, cfg.trainer
+    layout = BatchLayout(r.prompts_per_batch, r.group_size, num_processes, t.micro_batch_completions,
+                         t.gradient_accumulation_steps, t.num_epochs, t.optim_steps_per_batch, CONFIG_NAMES)
+    try:
+        layout.check()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return layout

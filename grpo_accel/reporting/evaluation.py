@@ -5,7 +5,7 @@ import torch
 
 from grpo_accel import batch as K
 from grpo_accel.data import encode_prompts
-from grpo_accel.metrics import episode_columns, episode_scalars
+from grpo_accel.reporting.metrics import episode_columns, episode_scalars
 from grpo_accel.rewards import RewardSet
 from grpo_accel.rules import check
 from grpo_accel.rollout.collector import score_rollout

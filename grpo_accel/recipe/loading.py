@@ -1,0 +1,172 @@
+"""A config from defaults, a YAML file and ``key=value`` overrides, checked key by key; and the comparison a resume
+makes with the settings its checkpoint saved.
+
+Example:
+    >>> cfg = load_config("launch/configs/default.yaml", ["trainer.total_frames=256"])
+    >>> to_dict(cfg)["rollout"]["group_size"]
+    8
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from grpo_accel.recipe.checks import ConfigError, check_key
+from grpo_accel.recipe.rollout_schema import RewardConfig
+from grpo_accel.recipe.schema import GRPOConfig
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> GRPOConfig:
+    """Defaults, then the YAML file at ``path`` (if any), then ``key=value`` overrides (values parsed as YAML)."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist; pass an existing YAML file.")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not key=value; write e.g. trainer.total_frames=256.")
+        _set_dotted(data, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    return _resolve_paths(_build(GRPOConfig, data, ""))
+
+
+LOCAL_PATHS = (("model", "name_or_path"), ("data", "path"), ("data", "eval_path"))
+"""Settings that may name a file or folder here: kept as the absolute path they resolve to, so that a resume
+compares the files themselves (the same file given relatively or absolutely matches; the same relative text from
+another folder does not)."""
+
+
+def _resolve_paths(cfg: GRPOConfig) -> GRPOConfig:
+    for section, key in LOCAL_PATHS:
+        value = getattr(getattr(cfg, section), key)
+        if isinstance(value, str) and Path(value).expanduser().exists():
+            setattr(getattr(cfg, section), key, str(Path(value).expanduser().resolve()))
+    return cfg
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _set_dotted(data: dict, key: str, value: Any) -> None:
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[parts[-1]] = value
+
+
+def build_section(cls, data: dict, key: str):
+    """One section (e.g. ``ModelConfig`` from a saved run's ``model`` mapping), checked as ``load_config`` does."""
+    return _build(cls, data, key + ".")
+
+
+def _build(cls, data: Any, prefix: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}={data!r}: must be a mapping of keys to values.")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if f"{prefix}{key}" in RENAMED:
+            new = RENAMED[f"{prefix}{key}"]
+            raise ConfigError(f"{prefix}{key}: renamed {new} (the same setting); write {new} instead.")
+        if key not in names:
+            raise ConfigError(f"{prefix}{key}: unknown key; valid keys under {prefix.rstrip('.') or 'the top level'}: {names}.")
+    try:
+        return cls(**{key: _coerce(value, hints[key], f"{prefix}{key}") for key, value in data.items()})
+    except TypeError as exc:
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {exc}") from exc
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key + ".")
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        for option in inner:  # e.g. int | Literal["auto"]: the first that takes the value
+            try:
+                return _coerce(value, option, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}={value!r}: must be {' or '.join(_describe(t) for t in inner)}.")
+    if origin is typing.Literal:
+        check_key(value in args, key, value, f"must be one of {list(args)}.")
+        return value
+    if origin is list:
+        check_key(isinstance(value, list), key, value, "must be a list.")
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else value
+    if tp is dict or origin is dict:
+        check_key(isinstance(value, dict), key, value, "must be a mapping.")
+        return value
+    if tp is bool:
+        check_key(isinstance(value, bool), key, value, "must be true or false.")
+        return value
+    if tp is int:
+        check_key(isinstance(value, int) and not isinstance(value, bool), key, value, "must be an integer.")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        check_key(isinstance(value, (int, float)) and not isinstance(value, bool), key, value, "must be a number.")
+        return float(value)
+    if tp is str:
+        check_key(isinstance(value, str), key, value, "must be a string.")
+        return value
+    return value
+
+
+def _describe(tp: Any) -> str:
+    if typing.get_origin(tp) is typing.Literal:
+        return " or ".join(map(repr, typing.get_args(tp)))
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+
+
+
+# Settings a resumed run must share with its checkpoint (anything else, e.g. total_frames, may change).
+RESUME_MUST_MATCH = ("model.", "data.", "rollout.prompts_per_batch", "rollout.group_size", "rollout.max_new_tokens",
+                     "rollout.temperature", "loss.", "rewards")
+
+
+# Keys an earlier release called otherwise: a config that uses one is told the new name; a checkpoint saved with
+# one still resumes.
+RENAMED = {"rollout.prompts_per_step": "rollout.prompts_per_batch", "weight_sync.verify_names": "weight_sync.verify_tensors"}
+
+
+def resume_conflicts(saved: dict, current: dict) -> list[str]:
+    """``key: saved -> current`` for every RESUME_MUST_MATCH setting that differs."""
+    a = {RENAMED.get(k, k): v for k, v in flatten_keys(saved).items()}
+    if isinstance(a.get("rewards"), list):  # entries saved before a reward setting existed have its default
+        defaults = to_dict(RewardConfig())
+        a["rewards"] = [{**{k: v for k, v in defaults.items() if k not in ("name", "weight", "kwargs")}, **r}
+                        for r in a["rewards"]]
+    b = flatten_keys(current)
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+            if k.startswith(RESUME_MUST_MATCH) and a.get(k) != b.get(k)]
+
+
+def flatten_keys(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "kwargs":
+            out.update(flatten_keys(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

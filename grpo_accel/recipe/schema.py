@@ -1,0 +1,278 @@
+"""Typed run configuration: one dataclass per section, a docstring under every field. YAML files and ``key=value``
+overrides become a :class:`GRPOConfig` through :func:`grpo_accel.recipe.loading.load_config`.
+
+Units are in the names: ``prompts_per_batch`` counts prompts, ``micro_batch_completions`` counts completions.
+Every error names the key, the value and the fix. The rollout, rewards and weight_sync sections are in
+:mod:`grpo_accel.recipe.rollout_schema`.
+
+Example:
+    >>> cfg = load_config("launch/configs/default.yaml", ["trainer.total_frames=256", "rollout.group_size=4"])
+    >>> cfg.rollout.prompts_per_batch * cfg.rollout.group_size
+    64
+"""
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field
+
+from grpo_accel.recipe.checks import check_choice, check_key, check_rules
+from grpo_accel.recipe.rollout_schema import RewardConfig, RolloutConfig, WeightSyncConfig
+from grpo_accel.tasks import BUILTIN_TASKS
+
+
+@dataclass
+class LoraConfig:
+    r: int = 0
+    """Adapter rank; 0 trains every weight (full fine-tuning), r > 0 trains only a LoRA adapter (PEFT)."""
+    alpha: float = 32.0
+    """Scale: the adapter adds alpha / r * B A to each targeted weight."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training (0 keeps logprobs deterministic, as pi_old assumes)."""
+    target_modules: str | list[str] = "all-linear"
+    """Which layers get an adapter: "all-linear" (every linear layer but the output head) or module names such as
+    [q_proj, v_proj]."""
+
+    def __post_init__(self) -> None:
+        check_key(self.r >= 0, "model.lora.r", self.r, "use 0 (no LoRA) or a positive rank such as 16.")
+        check_key(self.alpha > 0, "model.lora.alpha", self.alpha, "use a positive scale such as 2 x r.")
+        check_key(0 <= self.dropout < 1, "model.lora.dropout", self.dropout, "use a probability in [0, 1), e.g. 0.")
+        check_key(bool(self.target_modules), "model.lora.target_modules", self.target_modules,
+               'use "all-linear" or a list of module names such as [q_proj, v_proj].')
+
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str | None = None
+    """Hugging Face model folder (or hub id); None builds the built-in tiny Llama with random weights."""
+    hidden_size: int = 64
+    """Built-in model only: width."""
+    num_layers: int = 2
+    """Built-in model only: transformer blocks."""
+    num_heads: int = 4
+    """Built-in model only: attention heads (must divide hidden_size)."""
+    intermediate_size: int = 128
+    """Built-in model only: MLP width."""
+    dtype: str = "float32"
+    """Dtype the weights are loaded in (mixed precision is trainer.mixed_precision)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward instead of storing them (less memory, ~30% more compute)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapter settings (model.lora.r > 0 turns it on)."""
+
+    def __post_init__(self) -> None:
+        for key in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
+            check_key(getattr(self, key) > 0, f"model.{key}", getattr(self, key), "must be a positive integer.")
+        check_key(self.hidden_size % self.num_heads == 0, "model.num_heads", self.num_heads,
+               f"must divide model.hidden_size={self.hidden_size}.")
+        check_choice("model.dtype", self.dtype, ("float32", "bfloat16"))
+
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None
+    """Prompt rows: a JSONL/Parquet file, a folder written by datasets' save_to_disk, or a Hugging Face dataset id;
+    None uses the built-in task."""
+    name: str | None = None
+    """Hub datasets: the configuration name (load_dataset's second argument)."""
+    split: str = "train"
+    """Split to train on (hub datasets and saved folders holding several splits)."""
+    rename_columns: dict = field(default_factory=dict)
+    """Dataset column -> name used here, e.g. {question: prompt} (applied to training and held-out rows)."""
+    prompt_field: str = "prompt"
+    """Column holding the prompt: a string, or a list of chat messages [{role, content}] for the chat template;
+    every other column is passed to the reward functions."""
+    system_prompt: str | None = None
+    """Prepended as a system message to every chat-formatted prompt that has none."""
+    eval_path: str | None = None
+    """Held-out rows for evaluation, in any form data.path takes (the built-in task uses holdout instead)."""
+    eval_split: str | None = None
+    """Split of the held-out rows: of eval_path if set, else of path (e.g. test)."""
+    task: str = "addition"
+    """Built-in task when path is None: addition ("3+4=", for the tiny model), chat_arithmetic (two-digit sums
+    and differences asked as chat messages, for a pretrained chat model) or calculator (products "What is
+    347*29?", for multi-turn episodes with rollout.environment=calculator)."""
+    max_operand: int = 4
+    """Built-in task only: operands are 0..max_operand (addition) or 10..max_operand (the others)."""
+    holdout: int = 0
+    """Built-in task only: rows kept out of training for evaluation."""
+
+    def __post_init__(self) -> None:
+        check_choice("data.task", self.task, tuple(BUILTIN_TASKS))
+        check_key(self.max_operand >= 1, "data.max_operand", self.max_operand, "must be >= 1.")
+        if self.task == "addition":
+            check_key(0 <= self.holdout < (self.max_operand + 1) ** 2, "data.holdout", self.holdout,
+                   f"must leave training rows: use 0..{(self.max_operand + 1) ** 2 - 1}.")
+        check_key(all(isinstance(k, str) and isinstance(v, str) for k, v in self.rename_columns.items()),
+               "data.rename_columns", self.rename_columns, "map column names to column names, e.g. {question: prompt}.")
+
+
+
+@dataclass
+class LossConfig:
+    clip_eps_low: float = 0.2
+    """Lower PPO clip: ratio >= 1 - clip_eps_low."""
+    clip_eps_high: float = 0.28
+    """Upper PPO clip (DAPO's clip-higher): ratio <= 1 + clip_eps_high."""
+    kl_coef: float = 0.0
+    """KL-to-reference weight; 0 builds no reference model and runs no reference forward."""
+    kl_estimator: str = "k3"
+    """KL estimator (k3 is the GRPO paper's)."""
+    aggregation: str = "token_mean"
+    """token_mean (DAPO), seq_mean_token_mean (GRPO), seq_mean_token_sum_norm (Dr. GRPO, / max_new_tokens)."""
+    importance_level: str = "token"
+    """token: per-token ratio (GRPO); sequence: length-normalised sequence ratio (GSPO)."""
+    tis_cap: float | None = None
+    """Truncated importance sampling against the engine's logprobs: weight min(pi_old/pi_engine, cap); None = off."""
+    scale_advantages: bool = True
+    """Divide group-centred rewards by the group's std (off for Dr. GRPO)."""
+    leave_one_out: bool = False
+    """Baseline = mean of the other G-1 rewards (RLOO) instead of the group mean."""
+    packing: bool = False
+    """Padding-free training: rows packed with per-row position ids (checked against padded logprobs once)."""
+
+    def __post_init__(self) -> None:
+        check_rules("loss", self, clip_eps_low="clip_epsilon", clip_eps_high="clip_epsilon", kl_coef="kl_coef",
+               tis_cap="tis_cap")
+        from grpo_accel.loss import AGGREGATIONS, IMPORTANCE_LEVELS, KL_ESTIMATORS  # the registries are the choices
+
+        check_choice("loss.kl_estimator", self.kl_estimator, tuple(KL_ESTIMATORS))
+        check_choice("loss.aggregation", self.aggregation, tuple(AGGREGATIONS))
+        check_choice("loss.importance_level", self.importance_level, tuple(IMPORTANCE_LEVELS))
+
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (decoupled)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    """AdamW betas: the gradient and squared-gradient moving averages."""
+    clip_norm: float | None = 1.0
+    """Gradient clipping norm; null turns it off."""
+
+    def __post_init__(self) -> None:
+        check_key(self.lr > 0, "optim.lr", self.lr, "must be > 0.")
+        check_key(len(self.betas) == 2, "optim.betas", self.betas, "give two values, e.g. [0.9, 0.99].")
+
+
+
+@dataclass
+class GRPOTrainerConfig:
+    total_frames: int = 128 * 1000
+    """Completions to collect over the run (a frame is one completion)."""
+    num_epochs: int = 1
+    """Passes over each collected batch."""
+    micro_batch_completions: int | typing.Literal["auto"] = "auto"
+    """Completions per forward/backward on one process (the replay buffer's batch size); "auto": each process's
+    completions per collected batch / gradient_accumulation_steps, so that any process count dividing the prompts fits."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step."""
+    optim_steps_per_batch: int | None = None
+    """Micro-batches drawn per batch and epoch; null = the whole buffer once per epoch."""
+    empty_replay_buffer_on_weight_update: bool = True
+    """Empty the replay buffer after each weight push (synchronous, on-policy GRPO)."""
+    mixed_precision: str = "no"
+    """Autocast for forward/backward: no | bf16 | fp16 (fp16 adds a gradient scaler)."""
+    async_collection: bool = False
+    """Generate the next batches in a background thread while optimising (the engine gets its own weights copy)."""
+    max_staleness: int | None = 1
+    """Async: drop batches generated with weights more than this many pushes old (null: keep all)."""
+    weight_update_frequency: int = 1
+    """Async: optimizer steps between weight pushes to the engine (sync pushes once per batch)."""
+    seed: int = 0
+    """Seeds torch, the data order and every sampling key: the same seed draws the same run."""
+    log_interval: int = 1
+    """Frames between logs (1: every collected batch)."""
+    progress_bar: bool = True
+    """A tqdm bar over completions (frames) on the main process."""
+    log_timings: bool = False
+    """Log wall time of each phase under time/."""
+    log_rewards: bool = True
+    """Log the reward mean and std, total and per reward function (train/reward_*, train/reward/*)."""
+    log_kl: bool = True
+    """Log the KL and KL-estimator scalars (false drops every scalar with "kl" in its name)."""
+    log_samples: int = 3
+    """Completions written to TensorBoard as text at each log (prompt, completion, rewards); 0: none."""
+
+    def __post_init__(self) -> None:
+        check_rules("trainer", self, total_frames="positive_count", num_epochs="positive_count",
+               gradient_accumulation_steps="positive_count", log_interval="positive_count",
+               weight_update_frequency="positive_count", optim_steps_per_batch="optional_count",
+               log_samples="log_samples", max_staleness="max_staleness")
+        check_key(self.micro_batch_completions == "auto" or self.micro_batch_completions >= 1,
+               "trainer.micro_batch_completions", self.micro_batch_completions, "must be >= 1 or auto.")
+        check_choice("trainer.mixed_precision", self.mixed_precision, ("no", "bf16", "fp16"))
+
+
+
+@dataclass
+class EvalConfig:
+    every_iterations: int = 0
+    """Evaluate every this many iterations on the held-out rows; 0 turns evaluation off."""
+    k: int = 4
+    """Samples per prompt for pass@k."""
+    success_threshold: float = 1.0
+    """A sample passes when a reward function's value reaches this."""
+
+    def __post_init__(self) -> None:
+        check_rules("eval", self, every_iterations="non_negative_count", k="positive_count")
+
+
+
+@dataclass
+class CheckpointConfig:
+    interval_frames: int | None = 12800
+    """Save every this many frames (completions); null: only at the end and when stopped (signal, request)."""
+    resume: str | None = None
+    """null: start fresh; "auto": newest complete checkpoint in output_dir/checkpoints (fresh if none); or a folder."""
+    keep_last: int = 3
+    """Complete checkpoints kept (the newest is never deleted)."""
+    keep_best: int = 0
+    """Additionally keep this many best checkpoints by best_metric."""
+    best_metric: str = "train/reward_mean"
+    """The logged scalar that ranks checkpoints for keep_best."""
+    best_mode: str = "max"
+    """"max" or "min": which end of best_metric is best."""
+    legacy_file: str | None = None
+    """Also write a single-file torch payload here (the spec's save_trainer_file; read by load_from_file)."""
+
+    def __post_init__(self) -> None:
+        check_rules("checkpoint", self, interval_frames="optional_count", keep_last="keep_last",
+               keep_best="non_negative_count", best_mode="best_mode")
+
+
+
+@dataclass
+class GRPOConfig:
+    output_dir: str = "runs/default"
+    """Run folder: tensorboard/, checkpoints/, the resolved config.yaml, summary.json."""
+    overwrite: bool = False
+    """true: a fresh run deletes an earlier run's checkpoints/, tensorboard/ and summary.json in output_dir first
+    (false: it refuses such a folder; checkpoint.resume=auto continues that run instead)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    rewards: list[RewardConfig] = field(
+        default_factory=lambda: [RewardConfig("answer_match", 1.0), RewardConfig("format_match", 0.2)]
+    )
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: GRPOTrainerConfig = field(default_factory=GRPOTrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+
+    def __post_init__(self) -> None:
+        check_key(bool(self.rewards), "rewards", self.rewards, "list at least one reward function.")
+        names = [r.name for r in self.rewards]
+        check_key(len(set(names)) == len(names), "rewards", names, "each reward function may appear once.")
+        check_key(not (self.rollout.colocate and self.trainer.async_collection), "rollout.colocate", True,
+               "colocated servers free their memory while the trainer trains, so they cannot generate then; set "
+               "trainer.async_collection=false, or run the servers on GPUs of their own.")
+        check_key(not self.rollout.embedded_worker or self.trainer.async_collection, "rollout.embedded_worker",
+               self.rollout.embedded_worker, "a decode worker runs beside training only with "
+               "trainer.async_collection=true (synchronous GRPO waits for generation anyway); set both or neither.")
