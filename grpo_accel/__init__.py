@@ -17,6 +17,7 @@ _EXPORTS = {
     "EmbeddedEngine": "grpo_accel.rollout.embedded",
     "TensorBoardLogger": "grpo_accel.reporting.tracking",
     "GRPOConfig": "grpo_accel.recipe.schema",
+    "BatchLayout": "grpo_accel.layout",
 }
 
 __all__ = list(_EXPORTS)

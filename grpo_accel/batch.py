@@ -59,6 +59,43 @@ LEFT_PADDED = (PROMPT_IDS, PROMPT_MASK)
 RIGHT_PADDED = (COMPLETION_IDS, COMPLETION_MASK, MODEL_MASK, ENGINE_LOGPROBS, OLD_LOGPROBS, REF_LOGPROBS)
 
 
+Tokens = Sequence[Sequence[int]] | tuple[Tensor, Tensor]  # lists to pad, or (ids, mask) [N, W] already padded
+
+
+def make_rollout(*, prompts: Tokens, completions: Tokens, engine_logprobs: Tensor | Sequence[Sequence[float]],
+                 finish_reason: Tensor | Sequence[int], weight_version: Tensor | Sequence[int],
+                 weight_version_last: Tensor | Sequence[int] | None = None, pad_id: int,
+                 model_mask: Tensor | Sequence[Sequence[int]] | None = None,
+                 episode: TensorDict | None = None) -> TensorDict:  # -> [N]
+    """The rollout TensorDict of N completions: every engine (and the episode runner) makes it here.
+
+    ``prompts`` / ``completions``: token lists (padded here, prompts on the left and completions on the right, with
+    ``pad_id``) or ``(ids, mask)`` pairs already padded so. ``engine_logprobs`` and ``model_mask`` follow the
+    completions (lists are padded with 0). ``weight_version_last`` defaults to ``weight_version`` (no push landed
+    while the rows were generated). ``episode``: multi-turn episodes' counts, a TensorDict [N].
+    """
+    prompt_ids, prompt_mask = prompts if isinstance(prompts, tuple) else padded(prompts, pad_id, "left")
+    completion_ids, completion_mask = (completions if isinstance(completions, tuple)
+                                       else padded(completions, pad_id, "right"))
+    n = prompt_ids.shape[0]
+    as_long = lambda x: torch.as_tensor(x, dtype=torch.long)  # noqa: E731
+    if not isinstance(engine_logprobs, Tensor):
+        engine_logprobs = pad_sequences(engine_logprobs, 0.0, "right", dtype=torch.float32)
+    td = TensorDict({
+        PROMPT_IDS: prompt_ids, PROMPT_MASK: prompt_mask,
+        COMPLETION_IDS: completion_ids, COMPLETION_MASK: completion_mask,
+        ENGINE_LOGPROBS: engine_logprobs.float(),
+        FINISH_REASON: as_long(finish_reason),
+        WEIGHT_VERSION: as_long(weight_version),
+        WEIGHT_VERSION_LAST: as_long(weight_version if weight_version_last is None else weight_version_last),
+    }, batch_size=[n])
+    if model_mask is not None:
+        td[MODEL_MASK] = model_mask if isinstance(model_mask, Tensor) else pad_sequences(model_mask, 0, "right")
+    if episode is not None:
+        td[EPISODE] = episode
+    return td
+
+
 def loss_mask(td: TensorDict) -> Tensor:  # -> [N, C] int64
     """The tokens the loss trains on: the completion's, less the environment's in an episode."""
     mask = td[COMPLETION_MASK]

@@ -6,6 +6,9 @@ import logging
 import time
 import urllib.error
 import urllib.request
+from typing import Mapping
+
+from grpo_accel.rules import setting
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +29,7 @@ class HTTPClient:
     holds the key."""
 
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0, retries: int = 3,
-                 backoff_s: float = 0.5, key_setting: str = "rollout.api_key") -> None:
+                 backoff_s: float = 0.5, key_setting: str = "api_key") -> None:
         self.url, self.api_key, self.timeout_s = url.rstrip("/"), api_key, timeout_s
         self.retries, self.backoff_s, self.key_setting = retries, backoff_s, key_setting
 
@@ -65,9 +68,12 @@ class HTTPClient:
     def get(self, path: str, retries: int | None = None):
         return self._request("GET", path, None, retries)
 
-    def wait_healthy(self, timeout_s: float, poll_s: float = 0.5, report_every_s: float = 10.0) -> None:
+    def wait_healthy(self, timeout_s: float, poll_s: float = 0.5, report_every_s: float = 10.0,
+                     names: Mapping[str, str] | None = None) -> None:
         """Block until ``GET /health`` answers 200, or raise after ``timeout_s`` naming the URL. Says what it waits
-        for every ``report_every_s``. (SGLang answers /health without a key, so this proves nothing about it.)"""
+        for every ``report_every_s``; ``names`` says what the settings it names (urls, health_timeout_s) are
+        called (:func:`grpo_accel.rules.setting`). (SGLang answers /health without a key: this proves nothing of it.)"""
+        urls, timeout = setting(names, "urls"), setting(names, "health_timeout_s")
         start = time.monotonic()
         deadline, report_at = start + timeout_s, start + report_every_s
         last = None
@@ -79,14 +85,14 @@ class HTTPClient:
                 last = exc
             now = time.monotonic()
             if now >= report_at:
-                hint = (" (connection refused: nothing listens there yet; is the server started, is rollout.urls "
-                        "right?)" if "refused" in str(last).lower() else "")
-                logger.warning("waiting for SGLang server %s: %s%s; %.0f s left of rollout.health_timeout_s",
-                               self.url, last, hint, deadline - now)
+                hint = (f" (connection refused: nothing listens there yet; is the server started, is {urls} right?)"
+                        if "refused" in str(last).lower() else "")
+                logger.warning("waiting for SGLang server %s: %s%s; %.0f s left of %s", self.url, last, hint,
+                               deadline - now, timeout)
                 report_at = now + report_every_s
             time.sleep(poll_s)
         raise ServerError(f"SGLang server {self.url} was not healthy after {timeout_s:.0f} s (last error: {last}); "
-                          "check that it is running and rollout.urls is right, or raise rollout.health_timeout_s.")
+                          f"check that it is running and {urls} is right, or raise {timeout}.")
 
 
 def _error_message(exc: urllib.error.HTTPError) -> str:

@@ -15,39 +15,37 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from grpo_accel.recipe.checks import ConfigError
-from grpo_accel.recipe.schema import LoraConfig
-
 ADAPTER = "default"  # PEFT's name for a model's one adapter
 PEFT_PREFIX = "base_model.model."  # what PEFT puts before the base model's parameter names
 BASE_LAYER = ".base_layer"  # and inside the name of every wrapped layer
 
 
-def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0) -> nn.Module:
-    """``model`` wrapped by PEFT with a fresh adapter (``A`` drawn from ``seed``, ``B`` zero, so it starts as the
-    base model); every base weight is frozen."""
-    key = f"model.lora.target_modules={cfg.target_modules!r}"
+def apply_lora(model: nn.Module, *, r: int, alpha: float = 32.0, dropout: float = 0.0,
+               target_modules: str | list[str] = "all-linear", seed: int = 0) -> nn.Module:
+    """``model`` wrapped by PEFT with a fresh adapter of rank ``r`` (``A`` drawn from ``seed``, ``B`` zero, so it
+    starts as the base model) on ``target_modules``; every base weight is frozen. Raises ImportError without PEFT
+    and ValueError naming ``target_modules`` when it names no linear layer."""
+    key = f"apply_lora: target_modules={target_modules!r}"
     try:
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
         from peft.tuners.lora import Linear as LoraLinear
         from peft.tuners.lora import LoraLayer
     except ImportError as exc:
-        raise ConfigError(f"model.lora.r={cfg.r}: LoRA needs PEFT, which is not installed ({exc}); "
-                          "pip install 'grpo_accel[lora]' (or set model.lora.r=0).") from exc
-    peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                              target_modules=cfg.target_modules, task_type="CAUSAL_LM")
+        raise ImportError(f"LoRA needs PEFT, which is not installed ({exc}); pip install 'grpo_accel[lora]'.") from exc
+    peft_cfg = PeftLoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
+                              task_type="CAUSAL_LM")
     with torch.random.fork_rng(devices=[]):  # every process draws the same adapter, whatever it drew before
         torch.manual_seed(seed)
         try:
             wrapped = get_peft_model(model, peft_cfg)
         except ValueError as exc:  # PEFT: "Target modules {...} not found in the base model"
             names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
-            raise ConfigError(f"{key}: {str(exc).splitlines()[0]}; this model's linear layers are {names}.") from exc
+            raise ValueError(f"{key}: {str(exc).splitlines()[0]}; this model's linear layers are {names}.") from exc
     unsupported = sorted({type(m).__name__ for m in wrapped.modules()
                           if isinstance(m, LoraLayer) and (not isinstance(m, LoraLinear) or m.fan_in_fan_out)})
     if unsupported:
-        raise ConfigError(f"{key}: adapters on {unsupported} layers are not supported (only nn.Linear layers "
+        raise ValueError(f"{key}: adapters on {unsupported} layers are not supported (only nn.Linear layers "
                           "are merged for the engines); name linear layers only, or use all-linear.")
     return wrapped
 

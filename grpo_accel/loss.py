@@ -16,9 +16,10 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor, nn
 
-from grpo_accel import batch as K
+from grpo_accel import batch
+from grpo_accel.contracts import LossModule
 from grpo_accel.logprobs import sequence_logprobs
-from grpo_accel.rules import check, require
+from grpo_accel.rules import check, check_choice, require
 
 logger = logging.getLogger(__name__)
 
@@ -131,13 +132,6 @@ AGGREGATIONS: dict[str, Aggregation] = {
 }
 
 
-def aggregation_units(mode: str, mask: Tensor, max_completion_tokens: int | None) -> Tensor:  # [N, T] -> []
-    """The denominator that ``mode`` divides by, for this micro-batch alone (float, on ``mask``'s device)."""
-    if mode not in AGGREGATIONS:
-        raise ValueError(f"loss aggregation {mode!r} is unknown; choose one of {sorted(AGGREGATIONS)}")
-    return AGGREGATIONS[mode].units(mask, max_completion_tokens)
-
-
 def distributed_normalizer(global_units: Tensor, num_processes: int, accumulation_steps: int) -> Tensor:
     """What each micro-batch divides its numerator by so the optimizer step sees sum(all) / global_units.
 
@@ -168,7 +162,7 @@ def engine_mismatch(trainer_logp: Tensor, engine_logp: Tensor, mask: Tensor) -> 
 # ------------------------------------------------------------------------------------------------ module
 
 
-class GRPOLoss(nn.Module):
+class GRPOLoss(LossModule):
     """GRPO loss over a rollout TensorDict (keys in :mod:`grpo_accel.batch`).
 
     Args:
@@ -195,6 +189,8 @@ class GRPOLoss(nn.Module):
         >>> total = out["loss_objective"]     # plus out["loss_kl"] when kl_coef > 0
     """
 
+    uses_old_logprobs = True
+
     def __init__(
         self,
         policy: nn.Module,
@@ -210,26 +206,23 @@ class GRPOLoss(nn.Module):
         temperature: float = 1.0,
         packing: bool = False,
     ) -> None:
-        super().__init__()
         eps_low, eps_high = clip_epsilon if isinstance(clip_epsilon, (tuple, list)) else (clip_epsilon,) * 2
         check("clip_epsilon", "clip_epsilon", min(eps_low, eps_high), owner="GRPOLoss: ")
         check("kl_coef", "kl_coef", kl_coef, owner="GRPOLoss: ")
         _check(kl_coef == 0 or reference is not None, "kl_coef", kl_coef, "pass a reference model, or set kl_coef=0")
-        _check(kl_estimator in KL_ESTIMATORS, "kl_estimator", kl_estimator, f"choose one of {sorted(KL_ESTIMATORS)}")
-        _check(aggregation in AGGREGATIONS, "aggregation", aggregation, f"choose one of {sorted(AGGREGATIONS)}")
+        check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS, owner="GRPOLoss: ")
+        check_choice("aggregation", aggregation, AGGREGATIONS, owner="GRPOLoss: ")
         _check(
             aggregation != "seq_mean_token_sum_norm" or (max_completion_tokens or 0) > 0,
             "max_completion_tokens", max_completion_tokens,
             "Dr. GRPO aggregation divides by a constant: set it to the generation budget (max_new_tokens)",
         )
-        _check(importance_level in IMPORTANCE_LEVELS, "importance_level", importance_level,
-               f"choose one of {sorted(IMPORTANCE_LEVELS)}")
+        check_choice("importance_level", importance_level, IMPORTANCE_LEVELS, owner="GRPOLoss: ")
         check("tis_cap", "tis_cap", tis_cap, owner="GRPOLoss: ")
         check("temperature", "temperature", temperature, owner="GRPOLoss: ")
-        self.policy = policy
-        # Kept out of the parameter tree's gradients; under ZeRO it is sharded with the policy. A reference that is
-        # no module (lora.BasePolicy: the policy with its adapter off) owns no parameters of its own.
-        self.reference = reference if reference is not None and kl_coef > 0 else None
+        # The reference is kept out of the parameter tree's gradients; under ZeRO it is sharded with the policy. A
+        # reference that is no module (lora.BasePolicy: the policy with its adapter off) owns no parameters of its own.
+        super().__init__(policy, reference if reference is not None and kl_coef > 0 else None)
         if isinstance(self.reference, nn.Module):
             self.reference.requires_grad_(False).eval()
         self.eps_low, self.eps_high = float(eps_low), float(eps_high)
@@ -243,7 +236,7 @@ class GRPOLoss(nn.Module):
 
     def logprobs(self, model: nn.Module, td: TensorDict, with_entropy: bool = False):
         """Per-token logprobs [N, T] of ``td``'s completion tokens under ``model`` (and entropy if asked)."""
-        inputs = (model, td[K.PROMPT_IDS], td[K.PROMPT_MASK], td[K.COMPLETION_IDS], td[K.COMPLETION_MASK])
+        inputs = (model, td[batch.PROMPT_IDS], td[batch.PROMPT_MASK], td[batch.COMPLETION_IDS], td[batch.COMPLETION_MASK])
         if self.packing and id(model) not in self._packing_checked:
             self._check_packing(inputs)
         return sequence_logprobs(*inputs, temperature=self.temperature, with_entropy=with_entropy, packed=self.packing)
@@ -265,14 +258,13 @@ class GRPOLoss(nn.Module):
                 packed = sequence_logprobs(*inputs, temperature=self.temperature, packed=True)
             except Exception as err:  # e.g. a model without position_ids / tensor logits_to_keep
                 raise ValueError(f"GRPOLoss: packing=True is invalid for {type(model).__name__}: its packed forward "
-                                 f"failed ({err}); set packing=False (loss.packing=false).") from err
+                                 f"failed ({err}); set packing=False.") from err
         gap = float((padded - packed)[mask].abs().max())
         full_precision = next(model.parameters()).dtype in (torch.float32, torch.float64)
         if gap > (1e-3 if full_precision else 0.1):
             raise ValueError(f"GRPOLoss: packing=True is invalid for {type(model).__name__}: packed logprobs differ "
                              f"from padded ones by up to {gap:.3g}, so its attention does not keep packed rows "
-                             "apart (transformers >= 4.53 models do, from position ids); set packing=False "
-                             "(loss.packing=false).")
+                             "apart (transformers >= 4.53 models do, from position ids); set packing=False.")
         self._packing_checked.add(id(model))
         logger.info("padding-free packing checked for %s: packed logprobs within %.2g of padded ones",
                     type(model).__name__, gap)
@@ -280,37 +272,37 @@ class GRPOLoss(nn.Module):
     @torch.no_grad()
     def add_old_logprobs(self, td: TensorDict) -> None:
         """Store pi_old (the current policy, before optimisation) as ``old_logprobs``."""
-        td[K.OLD_LOGPROBS] = self.logprobs(self.policy, td).detach()
+        td[batch.OLD_LOGPROBS] = self.logprobs(self.policy, td).detach()
 
     @torch.no_grad()
     def add_reference_logprobs(self, td: TensorDict) -> None:
         """Store the reference policy's logprobs as ``ref_logprobs`` (no-op when kl_coef is 0)."""
         if self.reference is not None:
-            td[K.REF_LOGPROBS] = self.logprobs(self.reference, td).detach()
+            td[batch.REF_LOGPROBS] = self.logprobs(self.reference, td).detach()
 
     def units(self, td: TensorDict) -> Tensor:
         """How much this micro-batch adds to the aggregation's denominator (see ``aggregation_units``)."""
-        return aggregation_units(self.aggregation, K.loss_mask(td), self.max_completion_tokens)
+        return AGGREGATIONS[self.aggregation].units(batch.loss_mask(td), self.max_completion_tokens)
 
     # -- forward --------------------------------------------------------------------------------------
 
     def forward(self, td: TensorDict, normalizer: float | Tensor | None = None) -> TensorDict:
         """Loss of the micro-batch ``td``; ``normalizer`` defaults to this micro-batch's own units."""
-        mask = K.loss_mask(td).to(torch.float32)  # [N, T]: the model's own tokens
+        mask = batch.loss_mask(td).to(torch.float32)  # [N, T]: the model's own tokens
         logp, entropy = self.logprobs(self.policy, td, with_entropy=True)  # [N, T] each
-        old_logp = td.get(K.OLD_LOGPROBS, None)
+        old_logp = td.get(batch.OLD_LOGPROBS, None)
         if old_logp is None:  # used once, on-policy: pi_old is the current policy itself
             old_logp = logp.detach()
         log_ratio = IMPORTANCE_LEVELS[self.importance_level](logp, old_logp, mask)
-        token_loss, is_clipped = clipped_surrogate(log_ratio, td[K.ADVANTAGES], self.eps_low, self.eps_high)
+        token_loss, is_clipped = clipped_surrogate(log_ratio, td[batch.ADVANTAGES], self.eps_low, self.eps_high)
         if self.tis_cap is not None:
-            token_loss = token_loss * truncated_is_weights(old_logp, td[K.ENGINE_LOGPROBS], self.tis_cap)
+            token_loss = token_loss * truncated_is_weights(old_logp, td[batch.ENGINE_LOGPROBS], self.tis_cap)
         if normalizer is None:
             normalizer = self.units(td)
         aggregate = AGGREGATIONS[self.aggregation]
         out = {"loss_objective": aggregate(token_loss, mask) / normalizer}
         if self.kl_coef > 0:
-            ref_logp = td.get(K.REF_LOGPROBS, None)
+            ref_logp = td.get(batch.REF_LOGPROBS, None)
             if ref_logp is None:
                 with torch.no_grad():
                     ref_logp = self.logprobs(self.reference, td)
@@ -318,8 +310,8 @@ class GRPOLoss(nn.Module):
             out["loss_kl"] = self.kl_coef * aggregate(kl, mask) / normalizer
             out["kl_ref"] = _masked_mean(kl.detach(), mask)
         out.update(self._diagnostics(log_ratio.detach(), old_logp, logp.detach(), entropy, is_clipped, mask))
-        if K.ENGINE_LOGPROBS in td.keys():  # sync: pi_old is the trainer's view of the weights that sampled
-            out.update(engine_mismatch(old_logp, td[K.ENGINE_LOGPROBS], mask))
+        if batch.ENGINE_LOGPROBS in td.keys():  # sync: pi_old is the trainer's view of the weights that sampled
+            out.update(engine_mismatch(old_logp, td[batch.ENGINE_LOGPROBS], mask))
         return TensorDict(out, batch_size=[])
 
     @staticmethod
@@ -347,10 +339,10 @@ def add_in_chunks(add: Callable[[TensorDict], None], rollout: TensorDict, key: s
     those it would compute."""
     parts = []
     for start in range(0, rollout.numel(), chunk):
-        part = K.trim_padding(rollout[start : start + chunk]).to(device)
+        part = batch.trim_padding(rollout[start : start + chunk]).to(device)
         add(part)
         parts.append(part.to("cpu"))
-    rollout[key] = K.concat_rollouts(parts, pad_id=0)[key]
+    rollout[key] = batch.concat_rollouts(parts, pad_id=0)[key]
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:

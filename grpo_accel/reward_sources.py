@@ -6,6 +6,8 @@ that fails or overruns (None: the failure stops the run, naming the reward).
 
 Faults are counted per completion in ``faults`` (``{"timeouts": [...], "errors": [...]}`` of the last call), which
 RewardSet returns beside the rewards so that the trainer logs ``train/reward/<name>_timeouts`` / ``_errors``.
+Messages name each setting as ``names`` says (:func:`grpo_accel.rules.setting`; the recipe passes the config's
+``rewards[name=...].<key>``).
 """
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ import math
 import multiprocessing
 import multiprocessing.connection
 import time
-from typing import Callable
+from typing import Callable, Mapping
+
+from grpo_accel.rules import setting
 
 logger = logging.getLogger(__name__)
 
@@ -24,17 +28,26 @@ class RewardFault(RuntimeError):
     """A reward source failed with no fallback set; the message names the reward and its setting."""
 
 
-class AsyncReward:
+class RewardSource:
+    """What the rewards here share beyond a function's call: the ``faults`` of their last call, per completion
+    (``{"timeouts": [...], "errors": [...]}``), and ``close()`` (stop what they hold; nothing by default)."""
+
+    faults: dict[str, list[int]] = {"timeouts": [], "errors": []}
+
+    def close(self) -> None:
+        """Stop what the reward holds (worker processes), once training is over."""
+
+
+class AsyncReward(RewardSource):
     """An ``async def`` reward function with a time limit per call (the batch): a call over ``timeout_s`` gives
     every completion ``fallback`` (counted as timeouts), or raises :class:`RewardFault` when it is None."""
 
     def __init__(self, name: str, fn: Callable, *, timeout_s: float | None = None,
-                 fallback: float | None = None) -> None:
+                 fallback: float | None = None, names: Mapping[str, str] | None = None) -> None:
         import inspect
 
-        self.name, self.fn, self.timeout_s, self.fallback = name, fn, timeout_s, fallback
+        self.name, self.fn, self.timeout_s, self.fallback, self.names = name, fn, timeout_s, fallback, names
         self.__signature__ = inspect.signature(fn)
-        self.faults = {"timeouts": [], "errors": []}
 
     async def __call__(self, prompts: list[str], completions: list[str], **fields) -> list[float]:
         import asyncio
@@ -45,8 +58,8 @@ class AsyncReward:
         except asyncio.TimeoutError:
             if self.fallback is None:
                 raise RewardFault(f"reward function {self.name!r} took more than {self.timeout_s:g} s "
-                                  f"(rewards[name={self.name}].timeout_s); speed it up, raise the limit, or set "
-                                  f"rewards[name={self.name}].fallback.") from None
+                                  f"({setting(self.names, 'timeout_s')}); speed it up, raise the limit, or set "
+                                  f"{setting(self.names, 'fallback')}.") from None
             self.faults = {"timeouts": [1] * n, "errors": [0] * n}
             return [float(self.fallback)] * n
         self.faults = {"timeouts": [0] * n, "errors": [0] * n}
@@ -92,7 +105,7 @@ class _Worker:
         self.conn.close()
 
 
-class TimedReward:
+class TimedReward(RewardSource):
     """``fn`` run one completion at a time in ``processes`` worker processes, each call limited to ``timeout_s``.
 
     A call that overruns (its worker is killed and replaced) or raises (or whose worker dies) gives ``fallback``
@@ -105,10 +118,11 @@ class TimedReward:
     """
 
     def __init__(self, name: str, fn: Callable, *, processes: int = 1, timeout_s: float = 10.0,
-                 fallback: float | None = None) -> None:
+                 fallback: float | None = None, names: Mapping[str, str] | None = None) -> None:
         import inspect
 
         self.name, self.fn, self.processes, self.timeout_s, self.fallback = name, fn, processes, timeout_s, fallback
+        self.names = names
         self.__signature__ = inspect.signature(fn)  # the columns it needs are checked at start as the function's
         self._workers: list[_Worker] = []
         self.faults = {"timeouts": [], "errors": []}
@@ -146,7 +160,7 @@ class TimedReward:
                     self._replace(w)  # a call that does not return is not waited for: its process goes
                     del busy[w]
                     values[row] = self._fail(row, prompts, completions, f"took more than {self.timeout_s:g} s "
-                                             f"(rewards[name={self.name}].timeout_s)")
+                                             f"({setting(self.names, 'timeout_s')})")
                     timeouts[row] = 1
         self.faults = {"timeouts": timeouts, "errors": errors}
         return values
@@ -155,8 +169,8 @@ class TimedReward:
         if self.fallback is None:
             self.close()
             raise RewardFault(f"reward function {self.name!r} {what} on completion {row} (prompt {prompts[row]!r:.80}, "
-                              f"completion {completions[row]!r:.80}); fix it, or set rewards[name={self.name}]."
-                              "fallback to score such completions with that value.")
+                              f"completion {completions[row]!r:.80}); fix it, or set {setting(self.names, 'fallback')} "
+                              "to score such completions with that value.")
         return float(self.fallback)
 
     def _replace(self, w: int) -> None:
@@ -172,7 +186,7 @@ class TimedReward:
 # -------------------------------------------------------------------------------------------- services
 
 
-class RemoteReward:
+class RemoteReward(RewardSource):
     """A reward service: per batch of at most ``batch_size`` completions, ``POST url`` with JSON
     ``{"prompts": [...], "completions": [...], "fields": {column: [...]}}``, answered ``{"rewards": [floats]}``
     (``launch/reward_server.py`` serves any reward of a config so). Unreachable, slow (``timeout_s``, after
@@ -180,13 +194,14 @@ class RemoteReward:
     for the completions concerned (counted)."""
 
     def __init__(self, name: str, url: str, *, timeout_s: float = 30.0, retries: int = 2, batch_size: int = 256,
-                 api_key: str | None = None, fallback: float | None = None) -> None:
+                 api_key: str | None = None, fallback: float | None = None,
+                 names: Mapping[str, str] | None = None) -> None:
         from grpo_accel.http import HTTPClient
 
-        self.name, self.url, self.batch_size, self.fallback = name, url, batch_size, fallback
+        self.name, self.url, self.batch_size, self.fallback, self.names = name, url, batch_size, fallback, names
         parts = url.split("/", 3)
         self.client = HTTPClient("/".join(parts[:3]), api_key, timeout_s, retries, backoff_s=0.2,
-                                 key_setting=f"rewards[name={name}].api_key")
+                                 key_setting=setting(names, "api_key"))
         self.path = "/" + (parts[3] if len(parts) > 3 else "")
         self.faults = {"timeouts": [], "errors": []}
 
@@ -211,8 +226,8 @@ class RemoteReward:
                 errors += [0] * (end - start)
             except (ServerError, ValueError) as exc:
                 if self.fallback is None:
-                    raise RewardFault(f"reward service {self.name!r} at rewards[name={self.name}].url={self.url!r}: "
-                                      f"{exc}; check the service, or set rewards[name={self.name}].fallback.") from exc
+                    raise RewardFault(f"reward service {self.name!r} at {setting(self.names, 'url')}={self.url!r}: "
+                                      f"{exc}; check the service, or set {setting(self.names, 'fallback')}.") from exc
                 logger.warning("reward service %s: %s; completions %d..%d get the fallback %s", self.url, exc, start,
                                end - 1, self.fallback)
                 values += [float(self.fallback)] * (end - start)
@@ -224,7 +239,7 @@ class RemoteReward:
 # ------------------------------------------------------------------------------------------ reward models
 
 
-class RewardModel:
+class RewardModel(RewardSource):
     """A Hugging Face sequence-classification model as a reward: prompt + completion rendered with the reward
     model's own chat template (chat prompts) or joined as text, scored in batches of ``batch_size`` in ``dtype``
     on ``device``; the reward is ``logits[:, output_index] * scale``. Every process holds a full copy (it is

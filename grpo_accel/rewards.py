@@ -31,7 +31,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from tensordict import TensorDict
 
-from grpo_accel.reward_sources import RewardFault, is_finite_number
+from grpo_accel.reward_sources import RewardFault, RewardSource, is_finite_number
 
 RewardFn = Callable[..., Sequence[float]]
 PROVIDED_FIELDS = ("completion_ids", "finish_reason", "prompt_messages")  # besides the dataset's columns
@@ -221,7 +221,7 @@ class RewardSet:
         total = sum(self.weights[name] * standardise(r, self.normalize[name], group_size) for name, r in per_fn.items())
         out = {"rewards": TensorDict(per_fn, batch_size=[n]), "reward": total}
         faults = {f"{name}_{kind}": torch.tensor(counts, dtype=torch.float32)
-                  for name, fn in self.fns.items() for kind, counts in getattr(fn, "faults", {}).items()
+                  for name, fn in self.fns.items() if isinstance(fn, RewardSource) for kind, counts in fn.faults.items()
                   if len(counts) == n}
         if faults:
             out["reward_faults"] = TensorDict(faults, batch_size=[n])
@@ -242,7 +242,7 @@ class RewardSet:
     def close(self) -> None:
         """Stop what the functions hold (worker processes of time-limited ones)."""
         for fn in self.fns.values():
-            if hasattr(fn, "close"):
+            if isinstance(fn, RewardSource):
                 fn.close()
 
     @staticmethod

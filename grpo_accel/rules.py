@@ -9,7 +9,7 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 
 class Rule(NamedTuple):
@@ -50,10 +50,23 @@ RULES: dict[str, Rule] = {
 }
 
 
+def setting(names: Mapping[str, str] | None, name: str) -> str:
+    """What whoever built a part calls its argument ``name``: its own name unless ``names`` says otherwise. The
+    recipe passes the config's keys (e.g. ``{"timeout_s": "weight_sync.timeout_s"}``), so that a part's message
+    reads right from the Python API and from a YAML file alike."""
+    return (names or {}).get(name, name)
+
+
 def require(ok: bool, name: str, value: Any, fix: str, error: type[Exception] = ValueError, owner: str = "") -> None:
     """Raise ``error("{owner}{name}={value!r}: {fix}")`` unless ``ok``: every setting's error reads this way."""
     if not ok:
         raise error(f"{owner}{name}={value!r}: {fix}")
+
+
+def check_choice(name: str, value: Any, options, error: type[Exception] = ValueError, owner: str = "") -> None:
+    """Raise ``error("{owner}{name}={value!r}: must be one of [...].")`` unless ``value`` is one of ``options``
+    (e.g. a registry's keys: the loss's aggregations, estimators and importance levels)."""
+    require(value in options, name, value, f"must be one of {list(options)}.", error, owner)
 
 
 def check(rule: str, name: str, value: Any, error: type[Exception] = ValueError, owner: str = "") -> None:

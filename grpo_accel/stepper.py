@@ -5,16 +5,18 @@ import contextlib
 
 import torch
 
+from grpo_accel.contracts import OptimizationStepper
+from grpo_accel.distributed import uses_deepspeed
 
-class MixedPrecisionOptimizationStepper:
+
+class MixedPrecisionOptimizationStepper(OptimizationStepper):
     """Backward / clip / step / zero_grad with autocast and (fp16) a gradient scaler.
 
     Accelerate autocasts on GPUs (with its scaler for fp16) and in bf16 on CPU. It runs fp16 on CPU silently
     in float32, so that case is done here: ``torch.autocast("cpu", float16)`` and a ``torch.amp.GradScaler``.
 
-    A custom stepper passed as ``optimization_stepper`` provides the same members: ``optimizer`` (prepared by
-    the trainer with the loss module), ``bind``, ``autocast``, ``backward``, ``step``, ``state_dict`` and
-    ``load_state_dict``.
+    A custom stepper passed as ``optimization_stepper`` subclasses :class:`~grpo_accel.contracts.OptimizationStepper`
+    (or this class).
 
     Example:
         >>> stepper = MixedPrecisionOptimizationStepper(torch.optim.AdamW(model.parameters()), clip_norm=1.0)
@@ -31,7 +33,7 @@ class MixedPrecisionOptimizationStepper:
         """Called by the trainer once ``module`` and ``optimizer`` are prepared."""
         self.accelerator, self.module = accelerator, module
         own_fp16 = (self.mixed_precision and self.autocast_dtype == torch.float16 and not accelerator.native_amp
-                    and accelerator.distributed_type.name != "DEEPSPEED")
+                    and not uses_deepspeed(accelerator))
         self.scaler = torch.amp.GradScaler(accelerator.device.type) if own_fp16 else None
 
     def autocast(self):

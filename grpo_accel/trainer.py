@@ -24,12 +24,13 @@ from typing import Any, Callable
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from grpo_accel import batch as K
+from grpo_accel import batch
 from grpo_accel.buffer import ReplayBuffer
-from grpo_accel.checkpoint import Checkpoint, TrainerFiles, module_signature
+from grpo_accel.checkpoint import Checkpoint, module_signature
+from grpo_accel.checkpointer import TrainerFiles
+from grpo_accel.contracts import Collector, LossModule, OptimizationStepper, as_logger, as_weight_sender
 from grpo_accel.distributed import any_process, configure_deepspeed_for, zero_stage
 from grpo_accel.hooks import Hooks
-from grpo_accel.layout import BatchLayout
 from grpo_accel.loss import add_in_chunks, distributed_normalizer
 from grpo_accel.reporting.reporter import Reporter, ReportSettings
 from grpo_accel.rollout.background import staleness
@@ -43,9 +44,12 @@ logger = logging.getLogger(__name__)
 class GRPOTrainer:
     """A trainer for LLM alignment with GRPO-style objectives; the README maps every parameter to a test.
 
-    A *frame* is one completion: ``total_frames`` counts completions collected over all processes.
-    Beyond the spec: ``accelerator`` (use this one instead of creating one) and ``max_staleness`` (async mode:
-    batches generated with weights more than this many pushes old are dropped; None keeps all).
+    A *frame* is one completion: ``total_frames`` counts completions collected over all processes. The parts are
+    those of :mod:`grpo_accel.contracts`; the batch's split is the collector's ``layout`` (read, never rebuilt), and
+    ``batch_size`` defaults to the process's share over ``gradient_accumulation_steps`` (one optimizer step per
+    epoch). Beyond the spec: ``accelerator`` (use this one instead of creating one), ``max_staleness`` (async
+    mode: batches generated with weights more than this many pushes old are dropped; None keeps all) and
+    ``log_samples`` (completions logged as text per log).
 
     Example:
         >>> trainer = GRPOTrainer(collector=collector, total_frames=12_800, loss_module=GRPOLoss(model),
@@ -57,9 +61,10 @@ class GRPOTrainer:
     """
 
     def __init__(
-        self, collector, total_frames: int, frame_skip: int = 1, optim_steps_per_batch: int | None = None,
-        loss_module: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-        optimization_stepper=None, weight_sync_sender=None, weight_update_frequency: int = 1,
+        self, collector: Collector, total_frames: int, frame_skip: int = 1, optim_steps_per_batch: int | None = None,
+        loss_module: LossModule | None = None, optimizer: torch.optim.Optimizer | None = None,
+        optimization_stepper: OptimizationStepper | None = None, weight_sync_sender=None,
+        weight_update_frequency: int = 1,
         empty_replay_buffer_on_weight_update: bool = False, replay_buffer: ReplayBuffer | None = None,
         batch_size: int | None = None, device: torch.device | str | None = None, mixed_precision: bool = False,
         autocast_dtype: torch.dtype = torch.bfloat16, gradient_accumulation_steps: int = 1, logger=None,
@@ -76,24 +81,24 @@ class GRPOTrainer:
             from accelerate.utils import set_seed
 
             set_seed(seed)
-        self.accelerator = acc = accelerator_for(args)  # checked against the arguments; the collector sharded
+        self.accelerator = acc = accelerator_for(args)  # checked against the arguments and the collector's layout
         self.collector, self.total_frames, self.frame_skip = collector, total_frames, frame_skip
         self.optim_steps_per_batch, self.num_epochs = optim_steps_per_batch, num_epochs
-        self.weight_sync_sender, self.weight_update_frequency = weight_sync_sender, weight_update_frequency
+        self.weight_sync_sender = as_weight_sender(weight_sync_sender)
+        self.weight_update_frequency = weight_update_frequency
         self.empty_replay_buffer_on_weight_update = empty_replay_buffer_on_weight_update
-        self.replay_buffer = replay_buffer or ReplayBuffer(batch_size or collector.completions_per_batch, seed=seed)
-        self.replay_buffer.batch_size = batch_size or self.replay_buffer.batch_size
-        self.gradient_accumulation_steps = gradient_accumulation_steps
-        self.layout = BatchLayout(micro_batch_setting=self.replay_buffer.batch_size, accumulation=gradient_accumulation_steps,
-                                  epochs=num_epochs, sampled_micro_batches=optim_steps_per_batch)
-        if hasattr(collector, "completions_per_batch"):  # the usual layout can be checked before anything runs
-            self.layout.check(collector.completions_per_batch)
-        self.logger, self.async_collection, self.max_staleness = logger, async_collection, max_staleness
+        self.layout, self.gradient_accumulation_steps = collector.layout, gradient_accumulation_steps
+        micro_batch = batch_size or (replay_buffer.batch_size if replay_buffer is not None
+                                     else self.layout.auto_micro_batch(gradient_accumulation_steps))
+        self.replay_buffer = replay_buffer or ReplayBuffer(micro_batch, seed=seed)
+        self.replay_buffer.batch_size = micro_batch
+        self.layout.check_steps(micro_batch, gradient_accumulation_steps, optim_steps_per_batch)
+        self.logger, self.async_collection, self.max_staleness = as_logger(logger), async_collection, max_staleness
         settings = ReportSettings(**{f.name: args[f.name] for f in dataclasses.fields(ReportSettings)})  # same names
-        self.reporter = Reporter(acc, logger, settings, getattr(collector, "tokenizer", None))
+        self.reporter = Reporter(acc, self.logger, settings, collector.tokenizer)
         self.stepper = optimization_stepper or MixedPrecisionOptimizationStepper(optimizer, clip_norm, mixed_precision,
                                                                                  autocast_dtype)
-        configure_deepspeed_for(acc, loss_module, micro_batch=self.replay_buffer.batch_size,
+        configure_deepspeed_for(acc, loss_module.policy, micro_batch=self.replay_buffer.batch_size,
                                 accumulation=gradient_accumulation_steps, clip_norm=clip_norm)
         self.loss_module, self.stepper.optimizer = acc.prepare(loss_module, self.stepper.optimizer)
         self.unwrapped_loss = acc.unwrap_model(self.loss_module)  # kept: ~1 ms a call (Accelerate reads metadata)
@@ -129,7 +134,7 @@ class GRPOTrainer:
         """
         if self.checkpoint is not None and (path := self.checkpoint.resume_path()) is not None:
             self._resume(path)
-            if hasattr(self.weight_sync_sender, "push"):  # the engine's weights are unknown to a new process
+            if self.weight_sync_sender is not None:  # the engine's weights are unknown to a new process
                 self.weight_sync_sender.push(self.weight_version)
         self.hooks.run("pre_train", self)
         self.reporter.start_progress(self.total_frames, self.frames)
@@ -180,18 +185,16 @@ class GRPOTrainer:
 
     def state_dict(self) -> dict:
         """This process's trainer state: counters, replay buffer, collector position, stepper (scaler)."""
-        collector = self.collector.state_dict() if hasattr(self.collector, "state_dict") else None
         return {"frames": self.frames, "optim_steps": self.optim_steps, "iterations": self.iterations,
                 "weight_version": self.weight_version, "dropped_batches": self.dropped_batches,
-                "last_log_frames": float(self.reporter.last_log_frames), "collector": collector,
+                "last_log_frames": float(self.reporter.last_log_frames), "collector": self.collector.state_dict(),
                 "replay_buffer": self.replay_buffer.state_dict(), "stepper": self.stepper.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.frames, self.optim_steps, self.iterations = state["frames"], state["optim_steps"], state["iterations"]
         self.weight_version, self.dropped_batches = state["weight_version"], state["dropped_batches"]
         self.reporter.last_log_frames = state["last_log_frames"]
-        if state["collector"] is not None:
-            self.collector.load_state_dict(state["collector"])
+        self.collector.load_state_dict(state["collector"])
         self.replay_buffer.load_state_dict(state["replay_buffer"])
         self.stepper.load_state_dict(state["stepper"])
 
@@ -202,7 +205,7 @@ class GRPOTrainer:
                 "signature": module_signature(self.unwrapped_loss), "metrics": self.history[-1] if self.history else {}}
         with self.reporter.timed("checkpoint"):
             final = self._files.save(self.iterations, self.state_dict(), info, self.loss_module,
-                                     getattr(self.unwrapped_loss, "policy", None), getattr(self.collector, "tokenizer", None))
+                                     self.unwrapped_loss.policy, self.collector.tokenizer)
         self._saved_at = self.iterations
         return final
 
@@ -242,18 +245,24 @@ class GRPOTrainer:
         loss = self.unwrapped_loss
         methods = []
         if self.async_collection:  # the behaviour policy is the engine's (older) weights: correct towards it
-            rollout[K.OLD_LOGPROBS] = rollout[K.ENGINE_LOGPROBS]
-        elif hasattr(loss, "add_old_logprobs") and (  # unless each row serves one optimizer step right after sampling
-                self.layout.optimizer_steps(len(self.replay_buffer) + rollout.numel()) > 1
+            rollout[batch.OLD_LOGPROBS] = rollout[batch.ENGINE_LOGPROBS]
+        elif loss.uses_old_logprobs and (  # unless each row serves one optimizer step right after sampling
+                self._optimizer_steps(len(self.replay_buffer) + rollout.numel()) > 1
                 or not self.empty_replay_buffer_on_weight_update):
-            methods.append((K.OLD_LOGPROBS, loss.add_old_logprobs))
-        if getattr(loss, "reference", None) is not None:
-            methods.append((K.REF_LOGPROBS, loss.add_reference_logprobs))
+            methods.append((batch.OLD_LOGPROBS, loss.add_old_logprobs))
+        if loss.reference is not None:
+            methods.append((batch.REF_LOGPROBS, loss.add_reference_logprobs))
         for key, add in methods:
             with self.reporter.timed(key), self.stepper.autocast():
                 add_in_chunks(add, rollout, key, self.replay_buffer.batch_size, self.device)
         self.replay_buffer.extend(rollout)
-        self.layout.check(len(self.replay_buffer))
+        self.layout.check_steps(self.replay_buffer.batch_size, self.gradient_accumulation_steps,
+                                self.optim_steps_per_batch, rows=len(self.replay_buffer))
+
+    def _optimizer_steps(self, rows: int) -> int:
+        """Optimizer steps that ``rows`` completions in the buffer would take."""
+        return self.layout.optimizer_steps(self.replay_buffer.batch_size, self.gradient_accumulation_steps,
+                                           self.num_epochs, self.optim_steps_per_batch, rows=rows)
 
     def _drop_stale(self, rollout: TensorDict) -> TensorDict:
         """Async: a batch generated over ``max_staleness`` pushes ago (on any process) comes back empty."""
@@ -286,19 +295,18 @@ class GRPOTrainer:
     def _step_normalizer(self, micro_batches: list[TensorDict]) -> torch.Tensor:
         """The loss divisor of this optimizer step: its units over all processes (one all-reduce)."""
         units = sum(self.unwrapped_loss.units(mb.to(self.device)) for mb in micro_batches)
-        total = self.accelerator.reduce(units.reshape(1).float(), reduction="sum")[0]
+        total = self.accelerator.reduce(units.reshape(1).float().to(self.device), reduction="sum")[0]
         return distributed_normalizer(total, self.accelerator.num_processes, self.gradient_accumulation_steps)
 
     def _optimizer_step(self, micro_batches: list[TensorDict]) -> dict[str, float]:
-        has_units = hasattr(self.unwrapped_loss, "units")
-        kwargs = {"normalizer": self._step_normalizer(micro_batches)} if has_units else {}
+        normalizer = self._step_normalizer(micro_batches)
         stats: dict[str, float] = defaultdict(float)
         share = 1.0 / len(micro_batches)  # loss_* are shares of the step's objective over ga; diagnostics means
         for mb in micro_batches:
             with self.accelerator.accumulate(self.loss_module):
                 with self.reporter.timed("forward_backward"):
                     with self.stepper.autocast():
-                        out = self.compute_loss(mb.to(self.device), **kwargs)
+                        out = self.compute_loss(mb.to(self.device), normalizer=normalizer)
                         loss = sum(out[k] for k in out.keys() if k.startswith("loss_"))
                     self.stepper.backward(loss)
                 with self.reporter.timed("optimizer"):
@@ -330,13 +338,13 @@ class GRPOTrainer:
         if state is not None:
             self.load_state_dict(state)
         self._saved_at = self.iterations
-        if self.logger is not None and hasattr(self.logger, "resume_at"):
+        if self.logger is not None:
             self.logger.resume_at(self.iterations)
         logger.info("resumed from %s at iteration %d (%d frames)", path, self.iterations, self.frames)
 
     def _should_stop(self) -> bool:
         """Every process takes the same decision: one all-reduce of the stop flags per iteration."""
-        if self.accelerator.num_processes > 1 and any_process(self.accelerator, self.stop_reason is not None):
+        if self.accelerator.num_processes > 1 and any_process(self.stop_reason is not None):
             self.stop_reason = self.stop_reason or "another process requested a stop"
         return self.stop_reason is not None or self.frames >= self.total_frames
 

@@ -3,8 +3,9 @@
     python launch/api_example.py                                                  # one process
     accelerate launch --config_file accelerate_configs/ddp.yaml launch/api_example.py   # or any config
 
-Built for one process, the collector is split by the trainer under several: each process generates and trains
-on its own share of every batch of prompts (16 prompts x 8 completions here, 128 frames per batch in all).
+The batch layout (16 prompts x 8 completions, 128 frames per batch in all) is made once and split over the
+processes explicitly: each process's collector generates its own share of every batch, and the trainer trains on
+it (and refuses a collector whose layout or rank does not match its accelerator).
 """
 import sys
 from pathlib import Path
@@ -13,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch
 
-from grpo_accel import GRPOLoss, GRPOTrainer
+from grpo_accel import BatchLayout, GRPOLoss, GRPOTrainer
+from grpo_accel.distributed import make_accelerator
 from grpo_accel.rewards import RewardSet, answer_match, format_match
 from grpo_accel.rollout.collector import GRPOCollector
 from grpo_accel.rollout.embedded import EmbeddedEngine
@@ -25,15 +27,17 @@ from grpo_accel.weight_sync.embedded import EmbeddedWeightSync
 
 def main(total_frames: int = 1280) -> GRPOTrainer:
     configure_threads()
+    accelerator = make_accelerator()  # gloo on CPU, so that several processes really form a group
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(tokenizer, seed=0)
     engine = EmbeddedEngine(model, tokenizer, max_new_tokens=4)
     rewards = RewardSet({"answer": answer_match, "format": format_match}, {"format": 0.2})
     rows, _ = addition_rows(max_operand=4)
-    collector = GRPOCollector(engine, tokenizer, rows, rewards, prompts_per_batch=16, group_size=8)
+    layout = BatchLayout(prompts=16, group_size=8, processes=accelerator.num_processes)
+    collector = GRPOCollector(engine, tokenizer, rows, rewards, layout=layout, rank=accelerator.process_index)
     trainer = GRPOTrainer(collector=collector, total_frames=total_frames, loss_module=GRPOLoss(model),
                           optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4),
-                          weight_sync_sender=EmbeddedWeightSync(engine), seed=0)
+                          weight_sync_sender=EmbeddedWeightSync(engine), seed=0, accelerator=accelerator)
     trainer.train()
     return trainer
 
@@ -42,7 +46,7 @@ if __name__ == "__main__":
     frames = int(sys.argv[1]) if len(sys.argv) > 1 else 1280
     trainer = main(frames)
     acc, collector = trainer.accelerator, trainer.collector
-    print(f"process {acc.process_index} of {acc.num_processes}: share {collector.rank} of {collector.world_size} of "
+    print(f"process {acc.process_index} of {acc.num_processes}: share {collector.rank} of {collector.layout.processes} of "
           f"each batch, {trainer.frames} frames in all, mean reward {trainer.history[-1]['train/reward_mean']:.3f}",
           flush=True)
     acc.wait_for_everyone()

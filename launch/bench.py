@@ -29,10 +29,14 @@ import sys
 import time
 
 import torch
+from bench_items import (  # launch/ is on the path: run as a script
+    items_table,
+    measure_items,
+    timed,
+)
 
-from bench_items import items_table, measure_items, timed  # launch/ is on the path: run as a script
-
-from grpo_accel import batch as K
+from grpo_accel import batch
+from grpo_accel.layout import BatchLayout
 from grpo_accel.rollout.decode import DECODERS
 
 SIZES = {  # hidden, layers, heads, intermediate: built-in Llama sizes (random weights); "tiny": build_tiny_qwen2
@@ -82,10 +86,10 @@ class BareLoop:
         from grpo_accel.logprobs import sequence_logprobs
 
         for mb in micro_batches:
-            mask = mb[K.COMPLETION_MASK].float()
-            logp = sequence_logprobs(self.model, mb[K.PROMPT_IDS], mb[K.PROMPT_MASK], mb[K.COMPLETION_IDS],
-                                     mb[K.COMPLETION_MASK], temperature)
-            loss = -(logp * mb[K.ADVANTAGES][:, None] * mask).sum() / mask.sum()
+            mask = mb[batch.COMPLETION_MASK].float()
+            logp = sequence_logprobs(self.model, mb[batch.PROMPT_IDS], mb[batch.PROMPT_MASK], mb[batch.COMPLETION_IDS],
+                                     mb[batch.COMPLETION_MASK], temperature)
+            loss = -(logp * mb[batch.ADVANTAGES][:, None] * mask).sum() / mask.sum()
             if self.engine is not None:  # DeepSpeed clips (gradient_clipping) inside its step
                 self.engine.backward(loss)
                 self.engine.step()
@@ -98,7 +102,13 @@ class BareLoop:
 
 def run(args) -> dict | None:
     """Measure; the result on the main process, None on the others."""
-    from grpo_accel.distributed import full_numel, launch_world_size, make_accelerator, preflight, zero_stage
+    from grpo_accel.deepspeed_config import preflight
+    from grpo_accel.distributed import (
+        full_numel,
+        launch_world_size,
+        make_accelerator,
+        zero_stage,
+    )
     from grpo_accel.loss import GRPOLoss
     from grpo_accel.rewards import RewardSet, answer_match, format_match
     from grpo_accel.rollout.collector import GRPOCollector, score_rollout
@@ -130,7 +140,8 @@ def run(args) -> dict | None:
                 "loop": loop(args, model, tokenizer, rows, rewards, accelerator)}
     engine = EmbeddedEngine(model, tokenizer, max_new_tokens=args.max_new_tokens, decoder=args.decoder)
     engine.settings.min_new_tokens = args.max_new_tokens if args.fixed_length else 0
-    collector = GRPOCollector(engine, tokenizer, rows, rewards, prompts_per_batch=args.prompts, group_size=args.group)
+    collector = GRPOCollector(engine, tokenizer, rows, rewards, rank=accelerator.process_index,
+                              layout=BatchLayout(args.prompts, args.group, accelerator.num_processes))
     loss = GRPOLoss(model, packing=args.packing)
     trainer = GRPOTrainer(collector=collector, total_frames=10**9, loss_module=loss,
                           optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True), batch_size=args.micro_batch,
@@ -146,9 +157,9 @@ def run(args) -> dict | None:
         scores, t_rew = timed(lambda: score_rollout(td, [rows[i] for i in indices], collector.prompts.take(indices),
                                                        args.group, tokenizer, rewards))
         td.update(scores)
-        td[K.ADVANTAGES] = torch.randn(td.shape[0])
+        td[batch.ADVANTAGES] = torch.randn(td.shape[0])
         td = td.to(device)
-        _, t_lp = timed(lambda: torch.no_grad()(trainer.unwrapped_loss.add_old_logprobs)(K.trim_padding(td)))
+        _, t_lp = timed(lambda: torch.no_grad()(trainer.unwrapped_loss.add_old_logprobs)(batch.trim_padding(td)))
         trainer.replay_buffer.extend(td)
         micro = [mb.to(device) for mb in trainer.replay_buffer]  # the bare loop's micro-batches: the same rows
         _, t_train = timed(trainer.optimise)
@@ -157,8 +168,8 @@ def run(args) -> dict | None:
         if step >= args.warmup:
             for name, value in zip(phases, (t_gen, t_rew, t_lp, t_train, t_bare)):
                 phases[name].append(value)
-            tokens["generated"].append(int(td[K.COMPLETION_MASK].sum()))
-            tokens["trained"].append(int(td[K.COMPLETION_MASK].sum() + td[K.PROMPT_MASK].sum()))
+            tokens["generated"].append(int(td[batch.COMPLETION_MASK].sum()))
+            tokens["trained"].append(int(td[batch.COMPLETION_MASK].sum() + td[batch.PROMPT_MASK].sum()))
     peak = peak_flops(hidden, dtype, device)
     median = {k: statistics.median(v) for k, v in phases.items()}
     trained = statistics.median(tokens["trained"])
@@ -190,10 +201,15 @@ def run(args) -> dict | None:
 
 def _tokenizer_and_model(args):
     """(tokenizer, model): a saved model folder (``--model``) or a built-in size (random weights)."""
-    from grpo_accel.tasks.tiny import TinyModelSpec, build_char_tokenizer, build_tiny_model, build_tiny_qwen2
+    from grpo_accel.tasks.tiny import (
+        TinyModelSpec,
+        build_char_tokenizer,
+        build_tiny_model,
+        build_tiny_qwen2,
+    )
 
     if args.model is not None:  # weights and tokenizer, e.g. from save_pretrained
-        from grpo_accel.recipe.build import build_tokenizer_and_model
+        from grpo_accel.recipe.parts import build_tokenizer_and_model
         from grpo_accel.recipe.schema import ModelConfig
 
         return build_tokenizer_and_model(ModelConfig(name_or_path=args.model, dtype=args.dtype))
@@ -251,7 +267,7 @@ def _loop_trainer(args, variant: str, model, tokenizer, rows, rewards, accelerat
     asynchronous = variant != "sync"
     engine = EmbeddedEngine(copy.deepcopy(policy) if asynchronous else policy, tokenizer,
                             max_new_tokens=args.max_new_tokens, decoder=args.decoder, worker=variant == "async+worker")
-    collector = GRPOCollector(engine, tokenizer, rows, rewards, prompts_per_batch=args.prompts, group_size=args.group)
+    collector = GRPOCollector(engine, tokenizer, rows, rewards, layout=BatchLayout(args.prompts, args.group))
     loss = GRPOLoss(policy, copy.deepcopy(model) if args.kl_coef else None, kl_coef=args.kl_coef)
     trainer = GRPOTrainer(
         collector=collector, total_frames=(args.warmup + args.steps + 1) * args.prompts * args.group, loss_module=loss,

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from tensordict import TensorDict
 
-from grpo_accel import batch as K
+from grpo_accel import batch
 
 BIG_VOCAB, BIG_TOKENS = 32768, 4096  # the chunked-logprob item: a realistic vocabulary and micro-batch
 RAGGED_COMPLETION = 128  # packing and trimming items: completions of 32..128 tokens (4x), prompts of 8..16
@@ -97,11 +97,11 @@ def ragged_batch(vocab: int, rows: int, max_completion: int, device, seed: int =
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in prompt_lens]
     completions = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in completion_lens]
     td = TensorDict({
-        K.PROMPT_IDS: K.pad_sequences(prompts, 0, "left"),
-        K.PROMPT_MASK: K.pad_sequences([[1] * n for n in prompt_lens], 0, "left"),
-        K.COMPLETION_IDS: K.pad_sequences(completions, 0, "right"),
-        K.COMPLETION_MASK: K.pad_sequences([[1] * n for n in completion_lens], 0, "right"),
-        K.ADVANTAGES: torch.randn(rows, generator=g),
+        batch.PROMPT_IDS: batch.pad_sequences(prompts, 0, "left"),
+        batch.PROMPT_MASK: batch.pad_sequences([[1] * n for n in prompt_lens], 0, "left"),
+        batch.COMPLETION_IDS: batch.pad_sequences(completions, 0, "right"),
+        batch.COMPLETION_MASK: batch.pad_sequences([[1] * n for n in completion_lens], 0, "right"),
+        batch.ADVANTAGES: torch.randn(rows, generator=g),
     }, batch_size=[rows])
     return td.to(device)
 
@@ -124,7 +124,7 @@ def measure_items(model, engine, prompts: list[list[int]], group: int, rollout: 
                       "training phase + a pi_old forward pass / training phase (batch used once on-policy)"))
     reference = copy.deepcopy(model).requires_grad_(False)
     ref_loss = GRPOLoss(model, reference, kl_coef=0.1)
-    t_ref = median_time(lambda: torch.no_grad()(ref_loss.add_reference_logprobs)(K.trim_padding(rollout.clone())))
+    t_ref = median_time(lambda: torch.no_grad()(ref_loss.add_reference_logprobs)(batch.trim_padding(rollout.clone())))
     items.append(Item("no reference pass at kl_coef=0", train + t_ref, train, "s",
                       "training phase + the reference forward pass / training phase"))
     del reference, ref_loss
@@ -134,7 +134,7 @@ def measure_items(model, engine, prompts: list[list[int]], group: int, rollout: 
     short = ragged[: max(1, ragged.shape[0] // 2)]  # the shorter half, still padded to the whole batch's width
     items.append(Item("micro-batch trimmed to its longest row",
                       median_time(lambda: _forward_backward(padded_loss, short)),
-                      median_time(lambda: _forward_backward(padded_loss, K.trim_padding(short))), "s",
+                      median_time(lambda: _forward_backward(padded_loss, batch.trim_padding(short))), "s",
                       "loss forward+backward of the shorter half of a 4x-ragged batch: padded to the batch / trimmed"))
     items.append(Item("padding-free packed training",
                       median_time(lambda: _forward_backward(padded_loss, ragged)),
@@ -217,7 +217,7 @@ def _generation_items(engine, prompts: list[list[int]], group: int) -> list[Item
             full_length = median_time(generate, reps=2)
         with _settings(settings, min_new_tokens=0):
             early = median_time(generate, reps=2)
-            longest = int(generate()[K.COMPLETION_MASK].sum(1).max())
+            longest = int(generate()[batch.COMPLETION_MASK].sum(1).max())
     finally:
         hook.remove()
     items.append(Item("generation stops when all finished", full_length, early, "s",

@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch
 import yaml
 
-from grpo_accel.sglang import api
 from grpo_accel.http import HTTPClient, ServerError
+from grpo_accel.sglang import api
 
 PROMPTS = ["What is 2+3?", "Name a colour.", "1+2=", "Write one word."]
 GAP = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.1}  # mean |logprob gap| allowed, by sync dtype
@@ -42,8 +42,8 @@ def final_model(run: Path, dtype: torch.dtype):
     from transformers import AutoTokenizer
 
     from grpo_accel.checkpoint import Checkpoint
-    from grpo_accel.export import load_policy
     from grpo_accel.lora import merged_model
+    from grpo_accel.recipe.export import load_policy
 
     last = Checkpoint(run / "checkpoints").complete()[-1]
     model = merged_model(load_policy(last))

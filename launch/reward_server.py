@@ -70,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from aiohttp import web
 
-    from grpo_accel.recipe.build import build_reward
     from grpo_accel.recipe.checks import ConfigError
     from grpo_accel.recipe.loading import load_config
+    from grpo_accel.recipe.parts import build_reward
 
     try:
         cfg = load_config(args.config, args.overrides)

@@ -8,6 +8,8 @@ from grpo_accel.rollout.episodes import Step
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
 CHARS = string.digits + string.ascii_letters + " +-*/=<>{}[]()\":,._\n"
+ROWS = [{"prompt": p, "answer": "0"} for p in ("1+1=", "22+2=", "3+33=", "4", "55*5", "6-6=")]
+"""Prompts whose episodes take 1 to 3 turns under :class:`Countdown`."""
 
 
 def chat_tokenizer():

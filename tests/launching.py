@@ -82,7 +82,7 @@ def _text(output: bytes | str | None) -> str:
 # module named; test_readme.py runs the README's other commands.
 README_RUNS_ELSEWHERE = {"ddp.yaml": "test_distributed.py", "zero1.yaml": "test_distributed.py",
                          "zero2.yaml": "test_distributed.py", "zero3.yaml": "test_distributed.py",
-                         "zero3_offload.yaml": "test_distributed.py", "zero0.yaml": "test_episodes.py"}
+                         "zero3_offload.yaml": "test_distributed.py", "zero0.yaml": "test_episode_runs.py"}
 
 
 def readme_commands() -> list[str]:

@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from grpo_accel import batch as K
-from grpo_accel.recipe.build import build_rows
+from grpo_accel import batch
+from grpo_accel.data import DataError, encode_prompts
+from grpo_accel.layout import BatchLayout
 from grpo_accel.recipe.checks import ConfigError
+from grpo_accel.recipe.dataset import load_rows, validate_rows
+from grpo_accel.recipe.parts import build_rows
 from grpo_accel.recipe.schema import DataConfig
-from grpo_accel.data import DataError, encode_prompts, load_rows, validate_rows
 from grpo_accel.rewards import RewardSet
 from grpo_accel.rollout.collector import GRPOCollector
 from grpo_accel.rollout.embedded import EmbeddedEngine
@@ -45,15 +47,14 @@ def test_chat_rows_go_through_the_template_with_the_system_prompt_and_reach_rewa
 
     rows = CHAT_ROWS[:3] + [{"prompt": "3+3=", "answer": "6"}]  # a plain string row is used as is
     engine = EmbeddedEngine(build_tiny_model(chat_tokenizer, seed=0), chat_tokenizer, max_new_tokens=2)
-    collector = GRPOCollector(engine, chat_tokenizer, rows, RewardSet({"spy": spy}), prompts_per_batch=4,
-                              group_size=2, system_prompt="be brief.")
+    collector = GRPOCollector(engine, chat_tokenizer, rows, RewardSet({"spy": spy}), layout=BatchLayout(4, 2), system_prompt="be brief.")
     assert collector.prompts.texts[0] == "<system>be brief.\n<user>0+0=\n<assistant>"
     assert collector.prompts.texts[3] == "3+3="
     assert collector.prompts.ids[0] == chat_tokenizer("<system>be brief.\n<user>0+0=\n<assistant>",
                                                       add_special_tokens=False)["input_ids"]
     td = collector.collect()
     for i in range(0, 8, 2):  # what was generated from is what the rewards were told
-        prompt = td[K.PROMPT_IDS][i][td[K.PROMPT_MASK][i].bool()].tolist()
+        prompt = td[batch.PROMPT_IDS][i][td[batch.PROMPT_MASK][i].bool()].tolist()
         order = collector.prompts.ids.index(prompt)  # the row generated from
         assert seen["prompts"][i] == collector.prompts.texts[order] and seen["answer"][i] == rows[order]["answer"]
         expected = None if order == 3 else [{"role": "system", "content": "be brief."}, *rows[order]["prompt"]]
@@ -71,7 +72,7 @@ def test_chat_prompt_errors_name_the_row_and_column(chat_tokenizer, tokenizer):
                                         "no chat template"):
         encode_prompts(CHAT_ROWS, tokenizer)  # the arithmetic tokenizer has none
     with pytest.raises(DataError, match=r"row 2: column 'prompt' is 24 tokens after the chat template, more than "
-                                        r"rollout.max_prompt_tokens=23"):
+                                        r"max_prompt_tokens=23; raise max_prompt_tokens"):
         encode_prompts(CHAT_ROWS[:2] + [{"prompt": [{"role": "user", "content": "10+10="}]}], chat_tokenizer,
                        max_tokens=23)
     bad = [({"role": "robot", "content": "x"}, "message 0 is"), ({"role": "user"}, "message 0 is"),
@@ -123,7 +124,7 @@ def test_eval_path_takes_any_form_of_data_path(tmp_path):
 
 def test_a_hub_id_that_cannot_be_loaded_is_named():
     """As on a machine without the hub (offline mode, set before import, skips ~25 s of retries)."""
-    code = ("from grpo_accel.data import load_rows\n"
+    code = ("from grpo_accel.recipe.dataset import load_rows\n"
             "load_rows('someone/no-such-dataset', name='main', split='test')\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
                           capture_output=True, text=True, timeout=120)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo_accel.checkpoint import MARKER, Checkpoint, CheckpointError, CheckpointRotation, file_manifest
-from grpo_accel.export import export_checkpoint
+from grpo_accel.recipe.export import export_checkpoint
 from grpo_accel.tasks.tiny import TinyModelSpec, build_tiny_model
 from trainer_utils import (fresh_accelerate_state, make_trainer, reset_accelerate_state,  # noqa: F401
                            without_wall_times)

@@ -3,12 +3,14 @@ import json
 import pytest
 import torch
 
-from grpo_accel import batch as K
-from grpo_accel.recipe.build import build_rewards, build_rows, resolve_reward
+from grpo_accel import batch
+from grpo_accel.data import DataError
+from grpo_accel.layout import BatchLayout
 from grpo_accel.recipe.checks import ConfigError
+from grpo_accel.recipe.dataset import load_rows, validate_rows
+from grpo_accel.recipe.parts import build_rewards, build_rows, resolve_reward
 from grpo_accel.recipe.rollout_schema import RewardConfig
 from grpo_accel.recipe.schema import DataConfig
-from grpo_accel.data import DataError, load_rows, validate_rows
 from grpo_accel.rewards import RewardSet, answer_match, format_match
 from grpo_accel.rollout.collector import GRPOCollector
 from grpo_accel.rollout.embedded import EmbeddedEngine
@@ -16,26 +18,26 @@ from grpo_accel.rollout.embedded import EmbeddedEngine
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(3) for b in range(3)]
 
 
-def _collector(tokenizer, model, rows=ROWS, **kw):
+def _collector(tokenizer, model, rows=ROWS, *, prompts_per_batch=4, group_size=3, processes=1, **kw):
     engine = EmbeddedEngine(model, tokenizer, max_new_tokens=3)
     rewards = RewardSet({"answer_match": answer_match, "format_match": format_match})
-    args = dict(prompts_per_batch=4, group_size=3, seed=0) | kw
-    return GRPOCollector(engine, tokenizer, rows, rewards, **args)
+    layout = BatchLayout(prompts_per_batch, group_size, processes)
+    return GRPOCollector(engine, tokenizer, rows, rewards, layout=layout, **{"seed": 0} | kw)
 
 
 def test_collect_builds_a_scored_grouped_rollout(tokenizer, tiny_model):
     torch.manual_seed(0)
     td = _collector(tokenizer, tiny_model).collect()
     assert td.shape == (12,)
-    assert td[K.GROUP_ID].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
-    rewards = td[K.REWARD].view(4, 3)
-    adv = td[K.ADVANTAGES].view(4, 3)
+    assert td[batch.GROUP_ID].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    rewards = td[batch.REWARD].view(4, 3)
+    adv = td[batch.ADVANTAGES].view(4, 3)
     torch.testing.assert_close(adv.sum(-1), torch.zeros(4), atol=1e-5, rtol=0)  # centred per group
     ties = rewards.std(-1) == 0
     assert (adv[ties] == 0).all()
-    assert set(td[K.REWARDS].keys()) == {"answer_match", "format_match"}
-    torch.testing.assert_close(td[K.REWARD], td[K.REWARDS, "answer_match"] + td[K.REWARDS, "format_match"])
-    assert (td[K.WEIGHT_VERSION] == 0).all()
+    assert set(td[batch.REWARDS].keys()) == {"answer_match", "format_match"}
+    torch.testing.assert_close(td[batch.REWARD], td[batch.REWARDS, "answer_match"] + td[batch.REWARDS, "format_match"])
+    assert (td[batch.WEIGHT_VERSION] == 0).all()
 
 
 def test_dataset_fields_reach_reward_functions(tokenizer, tiny_model):
@@ -58,7 +60,7 @@ def test_dataset_fields_reach_reward_functions(tokenizer, tiny_model):
 def test_epochs_visit_every_row_and_state_dict_resumes(tokenizer, tiny_model):
     def prompts_of(td):  # each group's prompt tokens, in batch order
         g = c.group_size
-        return [tuple(ids[mask.bool()].tolist()) for ids, mask in zip(td[K.PROMPT_IDS][::g], td[K.PROMPT_MASK][::g])]
+        return [tuple(ids[mask.bool()].tolist()) for ids, mask in zip(td[batch.PROMPT_IDS][::g], td[batch.PROMPT_MASK][::g])]
 
     c = _collector(tokenizer, tiny_model)
     first = [prompts_of(c.collect()) for _ in range(3)]  # 12 prompts: the first 9 are one pass
@@ -71,12 +73,12 @@ def test_epochs_visit_every_row_and_state_dict_resumes(tokenizer, tiny_model):
 
 
 def test_processes_take_disjoint_slices_of_the_same_global_batch(tokenizer, tiny_model):
-    ranks = [_collector(tokenizer, tiny_model, rank=r, world_size=2) for r in range(2)]
+    ranks = [_collector(tokenizer, tiny_model, rank=r, processes=2) for r in range(2)]
     tds = [c.collect() for c in ranks]
     assert [td.shape[0] for td in tds] == [6, 6]
-    assert tds[0][K.GROUP_ID].unique().tolist() == [0, 1] and tds[1][K.GROUP_ID].unique().tolist() == [2, 3]
+    assert tds[0][batch.GROUP_ID].unique().tolist() == [0, 1] and tds[1][batch.GROUP_ID].unique().tolist() == [2, 3]
     with pytest.raises(ValueError, match="multiple of the 3 processes"):
-        _collector(tokenizer, tiny_model, world_size=3)
+        _collector(tokenizer, tiny_model, processes=3)
 
 
 def test_group_size_below_two_is_rejected(tokenizer, tiny_model):

@@ -14,8 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("path", sorted((ROOT / "launch" / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_experiment_config_loads_and_lays_out(path):
-    cfg = load_config(path)
-    assert "completions per collected batch" in batch_layout(cfg, 1).describe()
+    cfg, t = load_config(path), load_config(path).trainer
+    layout, micro_batch = batch_layout(cfg, 1)
+    describe = layout.describe(micro_batch, t.gradient_accumulation_steps, t.num_epochs, t.optim_steps_per_batch)
+    assert "completions per collected batch" in describe
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "launch" / "configs").glob("*.yaml")), ids=lambda p: p.name)
@@ -93,12 +95,13 @@ def test_batch_layout_must_divide():
                                           r"\[1, 2, 4, 8, 16, 32\], or auto"):
         batch_layout(load_config(None, ["trainer.gradient_accumulation_steps=2", "rollout.prompts_per_batch=8",
                            "trainer.micro_batch_completions=128"]), 1)
-    layout = batch_layout(load_config(None, ["trainer.micro_batch_completions=32", "trainer.gradient_accumulation_steps=2"]), 2)
-    assert (layout.completions_per_process, layout.micro_batches(), layout.optimizer_steps()) == (64, 2, 1)
+    layout, micro = batch_layout(load_config(None, ["trainer.micro_batch_completions=32",
+                                                    "trainer.gradient_accumulation_steps=2"]), 2)
+    assert (layout.completions_per_process, layout.micro_batches(micro), layout.optimizer_steps(micro, 2)) == (64, 2, 1)
     # the last micro-batch may be short: 64 completions in micro-batches of 24 are 24, 24, 16, one step of 3
-    layout = batch_layout(load_config(None, ["rollout.prompts_per_batch=8", "trainer.micro_batch_completions=24",
-                                "trainer.gradient_accumulation_steps=3"]), 1)
-    assert (layout.micro_batches(), layout.optimizer_steps()) == (3, 1)
+    layout, micro = batch_layout(load_config(None, ["rollout.prompts_per_batch=8", "trainer.micro_batch_completions=24",
+                                                    "trainer.gradient_accumulation_steps=3"]), 1)
+    assert (layout.micro_batches(micro), layout.optimizer_steps(micro, 3)) == (3, 1)
     with pytest.raises(ConfigError, match="trainer.optim_steps_per_batch=3: must be a multiple of trainer.gradient_accumulation_steps=2"):
         batch_layout(load_config(None, ["trainer.optim_steps_per_batch=3", "trainer.gradient_accumulation_steps=2"]), 1)
 
@@ -106,9 +109,9 @@ def test_batch_layout_must_divide():
 @pytest.mark.parametrize("processes, accumulation, micro", [(1, 1, 128), (2, 1, 64), (4, 2, 16), (8, 1, 16)])
 def test_auto_micro_batches_fit_any_process_count_that_divides_the_prompts(processes, accumulation, micro):
     cfg = load_config(None, [f"trainer.gradient_accumulation_steps={accumulation}"])
-    layout = batch_layout(cfg, processes)
-    assert cfg.trainer.micro_batch_completions == "auto" and layout.micro_batch == micro
-    assert f"micro-batches of {micro}" in layout.describe()
+    layout, micro_batch = batch_layout(cfg, processes)
+    assert cfg.trainer.micro_batch_completions == "auto" and micro_batch == micro
+    assert f"micro-batches of {micro}" in layout.describe(micro_batch, accumulation)
     with pytest.raises(ConfigError, match=r"gradient_accumulation_steps=3: .* use one of \[1, 2, 4, 8, 16, 32, 64\]"):
         batch_layout(load_config(None, ["trainer.gradient_accumulation_steps=3"]), 2)
     with pytest.raises(ConfigError, match="micro_batch_completions='soon': must be an integer or 'auto'"):

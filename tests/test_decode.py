@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 
-from grpo_accel import batch as K
+from grpo_accel import batch
 from grpo_accel.logprobs import sequence_logprobs
 from grpo_accel.rollout.decode import Decoder, DecodeSettings, unsupported_reason
 from grpo_accel.rollout.embedded import EmbeddedEngine
@@ -29,10 +29,9 @@ def _llama(tokenizer, attention="sdpa"):
 
 
 def _lora(tokenizer):
-    from grpo_accel.recipe.schema import LoraConfig
     from grpo_accel.lora import apply_lora
 
-    model = apply_lora(_llama(tokenizer), LoraConfig(r=4), seed=0)
+    model = apply_lora(_llama(tokenizer), r=4, seed=0)
     with torch.no_grad():  # a trained-looking adapter: B is zero at start
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -64,24 +63,24 @@ def test_fast_decoder_draws_what_generate_draws(tokenizer, build, sampling, dtyp
     slow = EmbeddedEngine(model, tokenizer, max_new_tokens=24, decoder="generate", **sampling)
     assert fast.fast and not slow.fast
     a, b = fast.generate(prompts, 4, seeds=[5, 6, 7, 8]), slow.generate(prompts, 4, seeds=[5, 6, 7, 8])
-    lengths = a[K.COMPLETION_MASK].sum(1)
+    lengths = a[batch.COMPLETION_MASK].sum(1)
     assert lengths.min() < 12 and lengths.max() == 24, "rows must finish at different steps"
-    for key in (K.PROMPT_IDS, K.PROMPT_MASK, K.COMPLETION_IDS, K.COMPLETION_MASK, K.FINISH_REASON):
+    for key in (batch.PROMPT_IDS, batch.PROMPT_MASK, batch.COMPLETION_IDS, batch.COMPLETION_MASK, batch.FINISH_REASON):
         assert torch.equal(a[key], b[key]), key
-    torch.testing.assert_close(a[K.ENGINE_LOGPROBS], b[K.ENGINE_LOGPROBS], atol=1e-6, rtol=0)
+    torch.testing.assert_close(a[batch.ENGINE_LOGPROBS], b[batch.ENGINE_LOGPROBS], atol=1e-6, rtol=0)
     # generate hands out float32 logits; the loop keeps the model's float64, which a teacher-forced pass matches
-    ids, mask = a[K.PROMPT_IDS][::4], a[K.PROMPT_MASK][::4]
+    ids, mask = a[batch.PROMPT_IDS][::4], a[batch.PROMPT_MASK][::4]
     keys = torch.tensor([s * 4 + j for s in [5, 6, 7, 8] for j in range(4)])
     tokens, logprobs = fast.decoder(ids, mask, 4, keys, fast.settings)
-    assert logprobs.dtype == torch.promote_types(dtype, torch.float32) and torch.equal(tokens[:, : a[K.COMPLETION_IDS].shape[1]], a[K.COMPLETION_IDS])
+    assert logprobs.dtype == torch.promote_types(dtype, torch.float32) and torch.equal(tokens[:, : a[batch.COMPLETION_IDS].shape[1]], a[batch.COMPLETION_IDS])
     assert fast.decoder.no_grad is torch.inference_mode  # decoded without autograd's bookkeeping, yet the results
     assert not (tokens.is_inference() or logprobs.is_inference())  # are ordinary tensors the loss can use
     with torch.no_grad():
-        teacher = sequence_logprobs(model, a[K.PROMPT_IDS], a[K.PROMPT_MASK], a[K.COMPLETION_IDS], a[K.COMPLETION_MASK],
+        teacher = sequence_logprobs(model, a[batch.PROMPT_IDS], a[batch.PROMPT_MASK], a[batch.COMPLETION_IDS], a[batch.COMPLETION_MASK],
                                     sampling["temperature"])
-    torch.testing.assert_close(logprobs * a[K.COMPLETION_MASK], teacher * a[K.COMPLETION_MASK],
+    torch.testing.assert_close(logprobs * a[batch.COMPLETION_MASK], teacher * a[batch.COMPLETION_MASK],
                                atol=1e-10 if dtype == torch.float64 else 1e-5, rtol=0)
-    greedy = [e.generate(prompts, 2, greedy=True)[K.COMPLETION_IDS] for e in (fast, slow)]
+    greedy = [e.generate(prompts, 2, greedy=True)[batch.COMPLETION_IDS] for e in (fast, slow)]
     assert torch.equal(*greedy)
 
 
@@ -92,13 +91,13 @@ def test_min_new_tokens_and_the_budget(tokenizer):
     for e in engines:
         e.settings.min_new_tokens = 9  # the benchmark's fixed length: EOS cannot be drawn before the budget
     a, b = (e.generate(prompts, 3, seeds=[1, 2]) for e in engines)
-    assert torch.equal(a[K.COMPLETION_IDS], b[K.COMPLETION_IDS]) and (a[K.COMPLETION_MASK].sum(1) == 9).all()
-    assert (a[K.FINISH_REASON] == K.FINISH_LENGTH).all()
+    assert torch.equal(a[batch.COMPLETION_IDS], b[batch.COMPLETION_IDS]) and (a[batch.COMPLETION_MASK].sum(1) == 9).all()
+    assert (a[batch.FINISH_REASON] == batch.FINISH_LENGTH).all()
 
 
 def test_compiled_decoder_matches_eager_and_sees_weight_updates(tokenizer):
     model = _ending(_qwen2(tokenizer), tokenizer).eval()
-    ids = K.pad_sequences([tokenizer(p)["input_ids"] for p in PROMPTS[:2]], tokenizer.pad_token_id, "left")
+    ids = batch.pad_sequences([tokenizer(p)["input_ids"] for p in PROMPTS[:2]], tokenizer.pad_token_id, "left")
     mask = (ids != tokenizer.pad_token_id).long()
     keys, settings = torch.arange(6), DecodeSettings(12, (tokenizer.eos_token_id,), tokenizer.pad_token_id)
     eager, compiled = Decoder(model), Decoder(model, compiled=True)
@@ -124,7 +123,7 @@ def test_decode_worker_draws_like_the_engine_and_follows_weight_pushes(tokenizer
                 trained.lm_head.weight.add_(torch.randn_like(trained.lm_head.weight))
             for engine in (local, remote):
                 EmbeddedWeightSync(engine, source=trained).push(version)
-        assert not torch.equal(a[K.COMPLETION_IDS], local.generate(prompts, 3, seeds=[1, 2, 3, 4])[K.COMPLETION_IDS])
+        assert not torch.equal(a[batch.COMPLETION_IDS], local.generate(prompts, 3, seeds=[1, 2, 3, 4])[batch.COMPLETION_IDS])
         process = remote.worker.process
         remote.model.lm_head.weight = torch.nn.Parameter(remote.model.lm_head.weight.clone())  # replaced, not copied
         with pytest.raises(RuntimeError, match=r"\['lm_head.weight'\] are no longer in shared memory"):

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from grpo_accel.distributed import DistributedConfigError, read_deepspeed_file, validate_deepspeed_config
+from grpo_accel.deepspeed_config import DistributedConfigError, read_deepspeed_file, validate_deepspeed_config
 from launching import ROOT, free_port, launch, launch_training, run_in_group
 from trainer_utils import train_in_process
 
@@ -123,7 +123,7 @@ def single_lora(tmp_path_factory):
 ])
 def test_lora_under_zero_matches_one_process(single_lora, tmp_path, config, stage, extra):
     from grpo_accel.checkpoint import Checkpoint
-    from grpo_accel.export import load_policy
+    from grpo_accel.recipe.export import load_policy
 
     expected, one, one_out = single_lora
     out = run(config, tmp_path, "run", "trainer.micro_batch_completions=64", *LORA, *extra)

@@ -1,15 +1,16 @@
-"""Multi-turn episodes: tools, the token sequence of an episode, masking the environment's tokens out of the
-loss, grouping, budgets, both engines and a launched run under ZeRO-3."""
+"""Multi-turn episodes in one process: tools, the token sequence of an episode, masking the environment's tokens
+out of the loss, grouping and budgets. (SGLang, launched runs, the config and resume: test_episode_runs.py.)"""
 import json
 import threading
 
 import pytest
 import torch
 
-from episode_env import Countdown, chat_tokenizer, short_turn_model
-from grpo_accel import batch as K
+from episode_env import ROWS, Countdown, chat_tokenizer, short_turn_model
+from grpo_accel import batch
 from grpo_accel.advantages import group_advantages
 from grpo_accel.data import render_chat
+from grpo_accel.layout import BatchLayout
 from grpo_accel.logprobs import sequence_logprobs
 from grpo_accel.loss import GRPOLoss
 from grpo_accel.rewards import RewardSet, env_reward
@@ -19,9 +20,6 @@ from grpo_accel.rollout.episodes import EpisodeRunner, TurnRenderer
 from grpo_accel.tasks.calculator import calculator, calculator_environment
 from grpo_accel.tasks.tiny import build_tiny_model
 from grpo_accel.tools import TaggedCallParser, ToolCall, ToolRunner, tool_schema
-
-ROWS = [{"prompt": p, "answer": "0"} for p in ("1+1=", "22+2=", "3+33=", "4", "55*5", "6-6=")]
-
 
 @pytest.fixture(scope="module")
 def tok():
@@ -171,28 +169,28 @@ def test_episodes_interleave_turns_and_train_on_exactly_what_the_model_saw(tok):
     prompts = runner.encode(ROWS[:3])
     td, episodes = runner.run(ROWS[:3], prompts, group_size=2, seeds=[1, 2, 3])
     assert td.shape == (6,) and contexts
-    model_mask, mask = td[K.MODEL_MASK], td[K.COMPLETION_MASK]
+    model_mask, mask = td[batch.MODEL_MASK], td[batch.COMPLETION_MASK]
     assert (model_mask <= mask).all() and ((model_mask == 0) & (mask == 1)).any()
     with torch.no_grad():
-        trainer = sequence_logprobs(model, td[K.PROMPT_IDS], td[K.PROMPT_MASK], td[K.COMPLETION_IDS], mask,
+        trainer = sequence_logprobs(model, td[batch.PROMPT_IDS], td[batch.PROMPT_MASK], td[batch.COMPLETION_IDS], mask,
                                     temperature=0.9)
-    torch.testing.assert_close(td[K.ENGINE_LOGPROBS], trainer * model_mask, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(td[batch.ENGINE_LOGPROBS], trainer * model_mask, atol=1e-5, rtol=1e-5)
     for i, ep in enumerate(episodes):
-        prompt = td[K.PROMPT_IDS][i][td[K.PROMPT_MASK][i].bool()].tolist()
+        prompt = td[batch.PROMPT_IDS][i][td[batch.PROMPT_MASK][i].bool()].tolist()
         sequence = prompt + ep.tokens
         starts = [j for j in range(1, len(ep.model)) if ep.model[j] and not ep.model[j - 1]]
         assert len(starts) == ep.turns - 1 == sum(m["role"] == "tool" for m in ep.messages)
         assert all(sequence[: len(prompt) + j] in contexts for j in starts)  # turn k was generated from this prefix
-        if td[K.FINISH_REASON][i] == K.FINISH_STOP:
+        if td[batch.FINISH_REASON][i] == batch.FINISH_STOP:
             assert tok.decode(sequence) + "\n" == render_chat(tok, ep.messages, add_generation_prompt=False)
     assert [ep.turns for ep in episodes] == [min(3, 1 + len(r["prompt"]) % 3) for r in ROWS[:3] for _ in "ab"] or \
-        any(td[K.FINISH_REASON] == K.FINISH_LENGTH)  # a turn cut by max_new_tokens ends its episode early
+        any(td[batch.FINISH_REASON] == batch.FINISH_LENGTH)  # a turn cut by max_new_tokens ends its episode early
 
 
 def test_later_turns_prefill_each_prompt_once_and_draw_what_whole_contexts_would(tok):
     """The embedded engine's ``continue_rows`` (a prompt prefilled once for its episodes, then each episode's own
     tokens) draws the same tokens, with the same logprobs, as generating from each whole context."""
-    import types
+    from grpo_accel.contracts import RolloutEngine
 
     model = short_turn_model(tok)
     engine = EmbeddedEngine(model, tok, max_new_tokens=6, temperature=0.8)
@@ -200,14 +198,20 @@ def test_later_turns_prefill_each_prompt_once_and_draw_what_whole_contexts_would
     prompts = runner.encode(ROWS)
     td, episodes = runner.run(ROWS, prompts, group_size=3, seeds=list(range(6)))
     assert max(ep.turns for ep in episodes) == 3
-    runner.engine = types.SimpleNamespace(generate=engine.generate, pad_id=engine.pad_id)  # whole contexts only
+    class WholeContexts(RolloutEngine):  # the contract's continue_rows: each whole context through generate
+        pad_id, max_new_tokens = engine.pad_id, engine.max_new_tokens
+
+        def generate(self, *args, **kwargs):
+            return engine.generate(*args, **kwargs)
+
+    runner.engine = WholeContexts()
     again, _ = runner.run(ROWS, prompts, group_size=3, seeds=list(range(6)))
-    assert torch.equal(td[K.COMPLETION_IDS], again[K.COMPLETION_IDS])
-    torch.testing.assert_close(td[K.ENGINE_LOGPROBS], again[K.ENGINE_LOGPROBS], atol=1e-5, rtol=1e-5)
+    assert torch.equal(td[batch.COMPLETION_IDS], again[batch.COMPLETION_IDS])
+    torch.testing.assert_close(td[batch.ENGINE_LOGPROBS], again[batch.ENGINE_LOGPROBS], atol=1e-5, rtol=1e-5)
     greedy, _ = runner.run(ROWS, prompts, group_size=1, greedy=True)
     runner.engine = engine
-    assert torch.equal(runner.run(ROWS, prompts, group_size=1, greedy=True)[0][K.COMPLETION_IDS],
-                       greedy[K.COMPLETION_IDS])
+    assert torch.equal(runner.run(ROWS, prompts, group_size=1, greedy=True)[0][batch.COMPLETION_IDS],
+                       greedy[batch.COMPLETION_IDS])
 
 
 def test_budgets_cut_episodes_and_the_cut_answer_is_not_shown(tok):
@@ -216,11 +220,11 @@ def test_budgets_cut_episodes_and_the_cut_answer_is_not_shown(tok):
     rows = [{"prompt": "22+22", "answer": "0"}]  # Countdown wants 3 turns
     runner = EpisodeRunner(engine, tok, Countdown, max_turns=2)
     td, episodes = runner.run(rows, runner.encode(rows), group_size=2, seeds=[5])
-    assert all(ep.turns == 2 for ep in episodes) and (td[K.FINISH_REASON] == K.FINISH_LENGTH).all()
+    assert all(ep.turns == 2 for ep in episodes) and (td[batch.FINISH_REASON] == batch.FINISH_LENGTH).all()
     assert all(ep.model[-1] == 1 and ep.messages[-1]["role"] == "assistant" for ep in episodes)
     runner = EpisodeRunner(engine, tok, Countdown, max_turns=3, max_episode_tokens=12)
     td, episodes = runner.run(rows, runner.encode(rows), group_size=4, seeds=[5])
-    assert (td[K.COMPLETION_MASK].sum(1) <= 12).all() and (td[K.FINISH_REASON] == K.FINISH_LENGTH).all()
+    assert (td[batch.COMPLETION_MASK].sum(1) <= 12).all() and (td[batch.FINISH_REASON] == batch.FINISH_LENGTH).all()
 
 
 # ---------------------------------------------------------------------------------- loss and grouping
@@ -230,7 +234,7 @@ def episode_rollout(tok, **collector_kwargs):
     model = likelier_eos(build_tiny_model(tok, seed=0), tok)
     engine = EmbeddedEngine(model, tok, max_new_tokens=5)
     rewards = RewardSet({"env_reward": env_reward, "spy": lambda p, c, conversation, **f: [len(x) for x in conversation]})
-    collector = GRPOCollector(engine, tok, ROWS, rewards, prompts_per_batch=3, group_size=2, environment=Countdown,
+    collector = GRPOCollector(engine, tok, ROWS, rewards, layout=BatchLayout(3, 2), environment=Countdown,
                               max_turns=3, **collector_kwargs)
     return model, collector, collector.collect()
 
@@ -242,9 +246,9 @@ def test_environment_tokens_reach_no_gradient_and_no_token_count(tok):
     reference = build_tiny_model(tok, seed=1)
     loss = GRPOLoss(model, reference, kl_coef=0.1, tis_cap=2.0, clip_epsilon=0.05)
     with torch.no_grad():
-        td[K.OLD_LOGPROBS] = loss.logprobs(model, td)  # ratio 1: every token inside the clip
-        td[K.REF_LOGPROBS] = loss.logprobs(reference, td)
-    env_tokens = (td[K.MODEL_MASK] == 0) & (td[K.COMPLETION_MASK] == 1)
+        td[batch.OLD_LOGPROBS] = loss.logprobs(model, td)  # ratio 1: every token inside the clip
+        td[batch.REF_LOGPROBS] = loss.logprobs(reference, td)
+    env_tokens = (td[batch.MODEL_MASK] == 0) & (td[batch.COMPLETION_MASK] == 1)
     assert env_tokens.any()
 
     def run(rollout):
@@ -255,31 +259,31 @@ def test_environment_tokens_reach_no_gradient_and_no_token_count(tok):
 
     base, grads = run(td)
     changed = td.clone()
-    for key in (K.OLD_LOGPROBS, K.REF_LOGPROBS, K.ENGINE_LOGPROBS):
+    for key in (batch.OLD_LOGPROBS, batch.REF_LOGPROBS, batch.ENGINE_LOGPROBS):
         changed[key] = torch.where(env_tokens, torch.randn(env_tokens.shape) - 3, td[key])
     out, changed_grads = run(changed)
     assert all(torch.equal(a, b) for a, b in zip(grads, changed_grads))
     assert all(torch.equal(base[k], out[k]) for k in base.keys())
-    assert int(loss.units(td)) == int(td[K.MODEL_MASK].sum())  # token_mean counts the model's tokens only
+    assert int(loss.units(td)) == int(td[batch.MODEL_MASK].sum())  # token_mean counts the model's tokens only
     control = td.clone()
-    control[K.REF_LOGPROBS][tuple((td[K.MODEL_MASK] == 1).nonzero()[0].tolist())] += 0.5  # one model token's
+    control[batch.REF_LOGPROBS][tuple((td[batch.MODEL_MASK] == 1).nonzero()[0].tolist())] += 0.5  # one model token's
     _, control_grads = run(control)
     assert not all(torch.equal(a, b) for a, b in zip(grads, control_grads))
 
 
 def test_the_g_episodes_of_a_prompt_are_its_group_and_rewards_see_the_episode(tok):
     _, collector, td = episode_rollout(tok)
-    torch.testing.assert_close(td[K.ADVANTAGES], group_advantages(td[K.REWARD], 2))
-    assert (td[K.GROUP_ID].view(3, 2) == td[K.GROUP_ID].view(3, 2)[:, :1]).all()
-    answered = td[K.EPISODE]["tool_calls"].float() * 0.1  # Countdown's per-turn term, summed
-    torch.testing.assert_close(td[K.REWARDS, "env_reward"], answered)
-    assert (td[K.REWARDS, "spy"] == 2 * td[K.EPISODE]["turns"]).all()  # user + turns + answers
+    torch.testing.assert_close(td[batch.ADVANTAGES], group_advantages(td[batch.REWARD], 2))
+    assert (td[batch.GROUP_ID].view(3, 2) == td[batch.GROUP_ID].view(3, 2)[:, :1]).all()
+    answered = td[batch.EPISODE]["tool_calls"].float() * 0.1  # Countdown's per-turn term, summed
+    torch.testing.assert_close(td[batch.REWARDS, "env_reward"], answered)
+    assert (td[batch.REWARDS, "spy"] == 2 * td[batch.EPISODE]["turns"]).all()  # user + turns + answers
     assert collector.prompts.texts[0] == "<user>1+1=<eos>\n<assistant>"
 
 
 def test_dynamic_sampling_and_packing_work_on_episodes(tok):
     model, collector, td = episode_rollout(tok, dynamic_sampling=True, max_extra_rounds=2)
-    assert td.shape == (6,) and K.MODEL_MASK in td.keys() and "dropped_group_fraction" in td["stats"].keys()
+    assert td.shape == (6,) and batch.MODEL_MASK in td.keys() and "dropped_group_fraction" in td["stats"].keys()
     loss = GRPOLoss(model, packing=True)
     padded = GRPOLoss(model)
     torch.testing.assert_close(loss(td)["loss_objective"], padded(td)["loss_objective"], atol=1e-5, rtol=1e-4)
@@ -292,172 +296,7 @@ def test_single_turn_rollouts_are_unchanged(tok, tokenizer):
     from grpo_accel.tasks.addition import addition_rows
 
     collector = GRPOCollector(engine, tokenizer, addition_rows(4)[0], RewardSet({"a": answer_match}),
-                              prompts_per_batch=2, group_size=2)
+                              layout=BatchLayout(2, 2))
     td = collector.collect()
-    assert K.MODEL_MASK not in td.keys() and K.EPISODE not in td.keys() and collector.episodes is None
-    assert torch.equal(K.loss_mask(td), td[K.COMPLETION_MASK])
-
-
-# --------------------------------------------------------------------------------------- both engines
-
-
-@pytest.fixture(scope="module")
-def short_turns(tok, tmp_path_factory):
-    """A folder holding the tiny model taught to take short turns, and the chat tokenizer."""
-    folder = tmp_path_factory.mktemp("short_turns")
-    short_turn_model(tok).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
-
-
-def test_episodes_on_sglang_send_each_turn_as_input_ids(tok, short_turns):
-    """Against the SGLang stand-in (tests/sglang_standin.py): each turn is a /generate with the conversation's
-    ids; the server's logprobs of the model's tokens equal the trainer's over the finished episode, and seeds
-    make episodes reproducible."""
-    from transformers import AutoModelForCausalLM
-
-    from grpo_accel.sglang.engine import SGLangEngine
-    from standin import standin_server
-
-    with standin_server(short_turns, "--deterministic") as url:
-        engine = SGLangEngine([url], tok, max_new_tokens=6, temperature=0.8)
-        runner = EpisodeRunner(engine, tok, Countdown, max_turns=3)
-        rows = ROWS[:3]
-        td, episodes = runner.run(rows, runner.encode(rows), group_size=2, seeds=[1, 2, 3])
-        again, _ = runner.run(rows, runner.encode(rows), group_size=2, seeds=[1, 2, 3])
-    assert max(ep.turns for ep in episodes) == 3 and torch.equal(td[K.COMPLETION_IDS], again[K.COMPLETION_IDS])
-    model = AutoModelForCausalLM.from_pretrained(short_turns)
-    with torch.no_grad():
-        trainer = sequence_logprobs(model, td[K.PROMPT_IDS], td[K.PROMPT_MASK], td[K.COMPLETION_IDS],
-                                    td[K.COMPLETION_MASK], temperature=0.8)
-    torch.testing.assert_close(td[K.ENGINE_LOGPROBS], trainer * td[K.MODEL_MASK], atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("config,extra", [
-    ("zero0.yaml", ["trainer.async_collection=true", "rollout.embedded_worker=true"]),
-    ("zero3.yaml", ["rollout.dynamic_sampling=true", "loss.packing=true"]),
-])
-def test_launched_runs_train_on_episodes(tmp_path, short_turns, config, extra):
-    """accelerate launch with 2 processes: episodes whose turn counts differ between the processes, collected
-    asynchronously by the decode worker (ZeRO-0), and under ZeRO-3, where each turn is a collective, with packing
-    and dynamic sampling; the episode metrics reach TensorBoard. (ZeRO-1/2 hold whole parameters for generation
-    as ZeRO-0 does; their training is test_distributed.py's.) ZeRO-0's run is the README's command, as written."""
-    from launching import launch_training
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    data = tmp_path / "rows.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS * 2))
-    out = tmp_path / "run"
-    launch_training(config, [
-        f"output_dir={out}", f"model.name_or_path={short_turns}", f"data.path={data}",
-        "rollout.environment=tests.episode_env:Countdown", "rollout.max_turns=3", "rollout.max_new_tokens=6",
-        "rollout.prompts_per_batch=4", "rollout.group_size=2", "trainer.total_frames=16", "trainer.progress_bar=false",
-        "rewards=[{name: env_reward}]", *extra])
-    events = EventAccumulator(str(out / "tensorboard")).Reload()
-    tags = events.Tags()["scalars"]
-    for tag in ("turns_mean", "tool_calls_mean", "tool_error_rate", "tokens_mean", "model_token_fraction"):
-        assert f"train/episode/{tag}" in tags
-    turns = [e.value for e in events.Scalars("train/episode/turns_mean")]
-    assert len(turns) == 2 and all(1 < t <= 3 for t in turns)
-    fraction = [e.value for e in events.Scalars("train/episode/model_token_fraction")]
-    assert all(0 < f < 1 for f in fraction)
-
-
-# ------------------------------------------------------------------------------------------------ config
-
-
-def test_environment_settings_build_or_name_the_fix():
-    from grpo_accel.recipe.build import build_environment, build_rows
-    from grpo_accel.recipe.checks import ConfigError
-    from grpo_accel.recipe.rollout_schema import RolloutConfig
-    from grpo_accel.recipe.schema import DataConfig
-
-    data = DataConfig(task="calculator", max_operand=20, holdout=4, system_prompt="Calculate.")
-    assert build_environment(RolloutConfig(), data) is None
-    make = build_environment(RolloutConfig(environment="calculator", tool_timeout_s=0.25), data)
-    env = make()
-    assert env.runner.timeout_s == 0.25 and env.reset(build_rows(data)[1][0])[0] == {"role": "system",
-                                                                                      "content": "Calculate."}
-    assert build_environment(RolloutConfig(environment="tests.episode_env:Countdown"), data).__name__ == "Countdown"
-    for name, message in [("nope", r"rollout.environment='nope': not a built-in \['calculator'\]; for your own "
-                                   r"factory write 'package.module:factory'"),
-                          ("tests.episode_env:Missing", "cannot import it"),
-                          ("tests.episode_env:CHARS", "is a str, not a callable")]:
-        with pytest.raises(ConfigError, match=message):
-            build_environment(RolloutConfig(environment=name), data)
-    for key, value in [("max_turns", 0), ("max_episode_tokens", 0), ("tool_timeout_s", 0)]:
-        with pytest.raises(ConfigError, match=f"rollout.{key}={value}"):
-            RolloutConfig(**{key: value})
-    assert RolloutConfig(environment="calculator", max_turns=3, max_new_tokens=40).max_completion_tokens == 120
-    assert RolloutConfig(environment="calculator", max_turns=3, max_new_tokens=40,
-                         max_episode_tokens=100).max_completion_tokens == 100
-    train, held_out = build_rows(data)
-    assert len(held_out) == 4 and all(r["prompt"][-1]["content"].startswith("What is ") for r in train)
-    assert not {r["prompt"][-1]["content"] for r in train} & {r["prompt"][-1]["content"] for r in held_out}
-
-
-def test_reward_functions_that_need_episode_fields_need_an_environment(tok):
-    engine = EmbeddedEngine(build_tiny_model(tok, seed=0), tok, max_new_tokens=2)
-    with pytest.raises(ValueError, match=r"reward 'env_reward' needs \['env_rewards'\], which only multi-turn episodes "
-                                         "provide; set rollout.environment, or drop that reward."):
-        GRPOCollector(engine, tok, ROWS, RewardSet({"env_reward": env_reward}), prompts_per_batch=2, group_size=2)
-    for setting, message in [({"max_turns": 0}, "max_turns=0: an episode needs at least one model turn"),
-                             ({"max_episode_tokens": 0}, "max_episode_tokens=0: use null")]:
-        with pytest.raises(ValueError, match=message):
-            GRPOCollector(engine, tok, ROWS, RewardSet({"env_reward": env_reward}), prompts_per_batch=2, group_size=2,
-                          environment=Countdown, **setting)
-
-
-def test_the_calculator_recipe_runs_on_the_real_model(tmp_path, smollm2):
-    """launch/configs/smollm2_calculator.yaml's path at a tiny scale, in this process: SmolLM2 from its folder,
-    the calculator task and tool environment, evaluation of held-out episodes before and after, episode metrics
-    and the engine/trainer logprob gap over episodes (prefix-shared later turns included)."""
-    from grpo_accel.reporting.tracking import read_scalars
-    from launching import ROOT
-    from trainer_utils import train_in_process
-
-    out = tmp_path / "run"
-    train_in_process([
-        "--config", str(ROOT / "launch" / "configs" / "smollm2_calculator.yaml"), f"output_dir={out}",
-        f"model.name_or_path={smollm2}", "data.holdout=2", "rollout.prompts_per_batch=2", "rollout.group_size=2",
-        "rollout.max_new_tokens=30", "rollout.max_turns=2", "trainer.total_frames=4", "eval.every_iterations=1",
-        "eval.k=1", "trainer.progress_bar=false"])
-    scalars = read_scalars(out / "tensorboard")
-    assert [step for step, _ in scalars["eval/episode/tool_calls_mean"]] == [0, 1]
-    assert all(1 < v <= 2 for _, v in scalars["train/episode/turns_mean"])  # a tool call, then a later turn
-    assert max(v for _, v in scalars["train/engine_logprob_abs_diff"]) < 1e-3
-
-
-def test_episode_training_stopped_and_resumed_equals_a_straight_run(tok, tmp_path):
-    """Episodes keep the run's promise: stop after 2 batches, resume to 4, and every logged scalar and weight is
-    bitwise the straight 4-batch run's (the episodes' draws are keyed by group and turn, environments hold no
-    state between batches)."""
-    from grpo_accel.checkpoint import Checkpoint
-    from grpo_accel.trainer import GRPOTrainer
-    from grpo_accel.weight_sync.embedded import EmbeddedWeightSync
-    from trainer_utils import reset_accelerate_state, without_wall_times
-
-    taught = short_turn_model(tok).state_dict()
-    rewards = RewardSet({"env_reward": env_reward, "short": lambda p, completions, **f: [-len(c) for c in completions]})
-
-    def run(out, batches, resume=None):
-        reset_accelerate_state()
-        model = build_tiny_model(tok, seed=0)
-        model.load_state_dict(taught)
-        engine = EmbeddedEngine(model, tok, max_new_tokens=6)
-        collector = GRPOCollector(engine, tok, ROWS, rewards, prompts_per_batch=2, group_size=2,
-                                  environment=Countdown, max_turns=3)
-        trainer = GRPOTrainer(collector=collector, total_frames=4 * batches, loss_module=GRPOLoss(model),
-                              optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
-                              weight_sync_sender=EmbeddedWeightSync(engine), empty_replay_buffer_on_weight_update=True,
-                              seed=0, checkpoint=Checkpoint(out, resume=resume))
-        trainer.train()
-        return trainer, model
-
-    straight, straight_model = run(tmp_path / "a", 4)
-    first, _ = run(tmp_path / "b", 2)
-    resumed, resumed_model = run(tmp_path / "b", 4, resume="auto")
-    assert resumed.iterations == 4 and any(h["train/episode/turns_mean"] > 1 for h in straight.history)
-    assert without_wall_times(first.history + resumed.history) == without_wall_times(straight.history)
-    assert all(torch.equal(a, b) for a, b in zip(resumed_model.parameters(), straight_model.parameters()))
-    reset_accelerate_state()
+    assert batch.MODEL_MASK not in td.keys() and batch.EPISODE not in td.keys() and collector.episodes is None
+    assert torch.equal(batch.loss_mask(td), td[batch.COMPLETION_MASK])

@@ -42,8 +42,8 @@ def test_the_smollm2_recipe_runs_end_to_end_on_a_saved_chat_dataset(tmp_path, sm
     evaluation before, during and after training, completion samples and the engine/trainer logprob gap."""
     import datasets
 
-    from grpo_accel.tasks.chat_arithmetic import chat_arithmetic_rows
     from grpo_accel.reporting.tracking import read_scalars, read_texts
+    from grpo_accel.tasks.chat_arithmetic import chat_arithmetic_rows
 
     train, held_out = chat_arithmetic_rows(99, holdout=2, count=6)
     renamed = lambda rows: datasets.Dataset.from_list(  # noqa: E731 - a dataset with its own column names
@@ -78,8 +78,9 @@ def test_bad_input_is_a_named_error_before_anything_is_built(tmp_path, monkeypat
     """launch/train.py's checks, in-process: each error names the setting or file (how a launch prints it, one
     line, is the launched tests' below)."""
     monkeypatch.syspath_prepend(str(ROOT / "launch"))
-    from train import build_trainer, user_errors
+    from train import user_errors
 
+    from grpo_accel.recipe.build import build_trainer
     from grpo_accel.recipe.loading import load_config
 
     empty = tmp_path / "empty.jsonl"
@@ -175,8 +176,8 @@ def test_a_launch_that_times_out_is_killed_with_its_children(tmp_path):
 
 
 def test_model_folders_that_cannot_work_are_named_before_training(tmp_path, tokenizer, tiny_model):
-    from grpo_accel.recipe.build import build_tokenizer_and_model
     from grpo_accel.recipe.checks import ConfigError
+    from grpo_accel.recipe.parts import build_tokenizer_and_model
     from grpo_accel.recipe.schema import ModelConfig
     from grpo_accel.tasks.tiny import build_char_tokenizer
 

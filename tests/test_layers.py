@@ -1,6 +1,7 @@
 """The package's import graph has no cycle, function-level (lazy) imports included (issue 28: layers point one
 way; lora.py and weight_sync/gather.py used to import each other)."""
 import ast
+import re
 
 from launching import ROOT
 
@@ -59,3 +60,60 @@ def test_no_import_cycle_lazy_imports_included():
     assert "grpo_accel.weight_sync.gather" not in graph["grpo_accel.lora"]
     assert cycles(graph) == []
     assert cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]], "the check finds one"
+
+
+COMMANDS = {"grpo_accel.export", "grpo_accel.models"}  # `python -m` entries of recipe/'s tools
+"""The two modules outside recipe/ that may import it: each only hands its command line to recipe/."""
+
+
+def test_components_never_import_the_recipe_nor_raise_its_errors():
+    """Layers point one way: the recipe (config -> parts) imports the components, never the reverse; a component
+    raises its own errors naming its own arguments, and the recipe says which config key was meant."""
+    graph = import_graph()
+    inward = {m: sorted(d for d in deps if d.startswith("grpo_accel.recipe")) for m, deps in graph.items()
+              if not m.startswith("grpo_accel.recipe") and m not in COMMANDS}
+    assert {m: d for m, d in inward.items() if d} == {}
+    speaking = [f.relative_to(ROOT) for f in (ROOT / "grpo_accel").rglob("*.py")
+                if "recipe" not in f.parts and re.search(r"\bConfigError\b", f.read_text())]
+    assert speaking == []
+
+
+def probes(source: str) -> list[str]:
+    """``hasattr(x, ...)`` and ``getattr(x, name, default)`` calls in ``source``: asking an object what it can do."""
+    return [f"line {node.lineno}: {ast.unparse(node)}" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and (node.func.id == "hasattr" or (node.func.id == "getattr" and len(node.args) == 3))]
+
+
+def test_the_trainer_and_the_launcher_call_declared_contracts_without_probing_their_parts():
+    """grpo_accel/contracts.py declares what each part provides; the trainer, its argument checks, the recipe's
+    wiring and launch/train.py call those members (compute_loss's ``getattr(loss, method)`` calls a method the user
+    names, and raises when there is none: not a probe)."""
+    names = ["grpo_accel/trainer.py", "grpo_accel/trainer_args.py", "grpo_accel/recipe/build.py",
+             "grpo_accel/contracts.py", "launch/train.py"]
+    assert {name: probes((ROOT / name).read_text()) for name in names} == {name: [] for name in names}
+    assert len(probes("hasattr(x, 'a')\ngetattr(x, 'b', None)\ngetattr(x, 'c')")) == 2, "the check finds them"
+
+
+def test_every_python_file_is_at_most_400_lines():
+    files = sorted(p for d in ("grpo_accel", "launch", "tests") for p in (ROOT / d).rglob("*.py"))
+    long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > 400}
+    assert len(files) > 90 and long == {}
+
+
+def test_one_batch_layout_per_run(tmp_path, monkeypatch, tokenizer, tiny_model):
+    """The recipe makes the run's BatchLayout once and hands it on; the collector and the trainer only read it
+    (it used to be built five times in a multi-process run, and the trainer re-sharded the collector)."""
+    from grpo_accel.layout import BatchLayout
+    from trainer_utils import make_trainer, train_in_process
+
+    made = []
+    check = BatchLayout.__post_init__
+    monkeypatch.setattr(BatchLayout, "__post_init__", lambda self: made.append(self) or check(self))
+    train_in_process([f"output_dir={tmp_path}/run", "trainer.total_frames=128", "trainer.progress_bar=false",
+                      "trainer.gradient_accumulation_steps=2"])
+    assert len(made) == 1, "the recipe's one layout"
+    made.clear()
+    trainer = make_trainer(tokenizer, tiny_model, gradient_accumulation_steps=2)
+    trainer.train()
+    assert len(made) == 1 and trainer.layout is made[0] is trainer.collector.layout, "the Python API's: the user's"

@@ -2,7 +2,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from grpo_accel import batch as K
+from grpo_accel import batch
 import pytest
 
 from grpo_accel.logprobs import selected_logprobs, sequence_logprobs
@@ -49,12 +49,12 @@ def test_engine_logprobs_equal_teacher_forced_forward(tokenizer, tiny_model):
     prompts = [tokenizer(p)["input_ids"] for p in ["1+2=", "13+4=", "2="]]  # different lengths: left padding
     td = engine.generate(prompts, group_size=4)
     assert td.shape == (12,)
-    assert (td[K.PROMPT_MASK][:, 0] == 0).any(), "shorter prompts must be left-padded"
+    assert (td[batch.PROMPT_MASK][:, 0] == 0).any(), "shorter prompts must be left-padded"
     with torch.no_grad():
-        teacher = sequence_logprobs(tiny_model, td[K.PROMPT_IDS], td[K.PROMPT_MASK], td[K.COMPLETION_IDS],
-                                    td[K.COMPLETION_MASK], temperature=0.8)
-    torch.testing.assert_close(td[K.ENGINE_LOGPROBS], teacher, atol=1e-5, rtol=1e-5)
-    assert (td[K.ENGINE_LOGPROBS] <= 0).all() and td[K.COMPLETION_MASK].sum() > 12
+        teacher = sequence_logprobs(tiny_model, td[batch.PROMPT_IDS], td[batch.PROMPT_MASK], td[batch.COMPLETION_IDS],
+                                    td[batch.COMPLETION_MASK], temperature=0.8)
+    torch.testing.assert_close(td[batch.ENGINE_LOGPROBS], teacher, atol=1e-5, rtol=1e-5)
+    assert (td[batch.ENGINE_LOGPROBS] <= 0).all() and td[batch.COMPLETION_MASK].sum() > 12
 
 
 def test_engine_masks_after_eos_and_reports_finish(tokenizer, tiny_model):
@@ -62,16 +62,16 @@ def test_engine_masks_after_eos_and_reports_finish(tokenizer, tiny_model):
     engine = EmbeddedEngine(tiny_model, tokenizer, max_new_tokens=5)
     td = engine.generate([tokenizer("3+4=")["input_ids"]], group_size=32)
     eos = tokenizer.eos_token_id
-    for ids, mask, reason in zip(td[K.COMPLETION_IDS], td[K.COMPLETION_MASK], td[K.FINISH_REASON]):
+    for ids, mask, reason in zip(td[batch.COMPLETION_IDS], td[batch.COMPLETION_MASK], td[batch.FINISH_REASON]):
         n = int(mask.sum())
         real = ids[:n].tolist()
         assert (mask[:n] == 1).all() and (mask[n:] == 0).all(), "mask is a prefix"
-        if reason == K.FINISH_STOP:
+        if reason == batch.FINISH_STOP:
             assert real[-1] == eos and eos not in real[:-1], "EOS ends a stopped completion and is kept"
         else:
             assert n == 5 and eos not in real
         assert (ids[n:] == tokenizer.pad_token_id).all()
-    assert {int(r) for r in td[K.FINISH_REASON]} == {K.FINISH_STOP, K.FINISH_LENGTH}
+    assert {int(r) for r in td[batch.FINISH_REASON]} == {batch.FINISH_STOP, batch.FINISH_LENGTH}
 
 
 def _ragged_batch(vocab: int, prompt_lens: list[int], completion_lens: list[int], seed: int = 0):
@@ -79,16 +79,16 @@ def _ragged_batch(vocab: int, prompt_lens: list[int], completion_lens: list[int]
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in prompt_lens]
     completions = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in completion_lens]
-    return (K.pad_sequences(prompts, 0, "left"), K.pad_sequences([[1] * n for n in prompt_lens], 0, "left"),
-            K.pad_sequences(completions, 0, "right"), K.pad_sequences([[1] * n for n in completion_lens], 0, "right"))
+    return (batch.pad_sequences(prompts, 0, "left"), batch.pad_sequences([[1] * n for n in prompt_lens], 0, "left"),
+            batch.pad_sequences(completions, 0, "right"), batch.pad_sequences([[1] * n for n in completion_lens], 0, "right"))
 
 
 def test_pack_rows_first_fit_decreasing():
-    assert K.pack_rows([4, 1, 3, 2], capacity=4) == [[0], [2, 1], [3]]
-    assert K.pack_rows([2, 2, 2], capacity=6) == [[0, 1, 2]]
-    assert K.pack_rows([], capacity=3) == []
+    assert batch.pack_rows([4, 1, 3, 2], capacity=4) == [[0], [2, 1], [3]]
+    assert batch.pack_rows([2, 2, 2], capacity=6) == [[0, 1, 2]]
+    assert batch.pack_rows([], capacity=3) == []
     with pytest.raises(ValueError, match="capacity=2"):
-        K.pack_rows([3], capacity=2)
+        batch.pack_rows([3], capacity=2)
 
 
 @pytest.mark.parametrize("prompt_lens, completion_lens", [
@@ -117,7 +117,7 @@ def test_packing_really_isolates_rows(tokenizer, tiny_model):
     """Rows of lengths 6, 2, 2 share one bin of 12: changing row 1 must leave row 2, after it, exactly as it was."""
     model = tiny_model.double()
     inputs = _ragged_batch(model.config.vocab_size, [2, 1, 1], [4, 1, 1], seed=3)
-    assert K.pack_rows([6, 2, 2], capacity=12) == [[0, 1, 2]]
+    assert batch.pack_rows([6, 2, 2], capacity=12) == [[0, 1, 2]]
     changed = [x.clone() for x in inputs]
     changed[0][1, -1] = 3 if int(inputs[0][1, -1]) != 3 else 4  # row 1's only prompt token
     with torch.no_grad():
@@ -146,9 +146,9 @@ def test_packing_is_refused_for_a_model_that_leaks_across_rows(tokenizer, tiny_m
     from grpo_accel.loss import GRPOLoss
 
     inputs = _ragged_batch(tokenizer.vocab_size, [2, 1, 1], [4, 1, 1])
-    td = TensorDict({K.PROMPT_IDS: inputs[0], K.PROMPT_MASK: inputs[1], K.COMPLETION_IDS: inputs[2],
-                     K.COMPLETION_MASK: inputs[3], K.ADVANTAGES: torch.tensor([1.0, -1.0, 0.5])}, batch_size=[3])
-    with pytest.raises(ValueError, match=r"packing=True is invalid for _CumulativeMeanLM.*loss.packing=false"):
+    td = TensorDict({batch.PROMPT_IDS: inputs[0], batch.PROMPT_MASK: inputs[1], batch.COMPLETION_IDS: inputs[2],
+                     batch.COMPLETION_MASK: inputs[3], batch.ADVANTAGES: torch.tensor([1.0, -1.0, 0.5])}, batch_size=[3])
+    with pytest.raises(ValueError, match=r"packing=True is invalid for _CumulativeMeanLM.*set packing=False"):
         GRPOLoss(_CumulativeMeanLM(tokenizer.vocab_size), packing=True)(td)
     loss = GRPOLoss(tiny_model, packing=True)  # a transformers Llama keeps rows apart: accepted, checked once
     out = loss(td)
@@ -166,8 +166,8 @@ def test_packing_check_accepts_half_precision(tokenizer, tiny_model):
     from grpo_accel.loss import GRPOLoss
 
     inputs = _ragged_batch(tokenizer.vocab_size, [5, 3, 8, 2] * 4, [24, 6, 12, 30] * 4)
-    td = TensorDict({K.PROMPT_IDS: inputs[0], K.PROMPT_MASK: inputs[1], K.COMPLETION_IDS: inputs[2],
-                     K.COMPLETION_MASK: inputs[3], K.ADVANTAGES: torch.linspace(-1, 1, 16)}, batch_size=[16])
+    td = TensorDict({batch.PROMPT_IDS: inputs[0], batch.PROMPT_MASK: inputs[1], batch.COMPLETION_IDS: inputs[2],
+                     batch.COMPLETION_MASK: inputs[3], batch.ADVANTAGES: torch.linspace(-1, 1, 16)}, batch_size=[16])
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.isfinite(GRPOLoss(tiny_model, packing=True)(td)["loss_objective"])
     assert torch.isfinite(GRPOLoss(tiny_model.to(torch.bfloat16), packing=True)(td)["loss_objective"])

@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 
-from grpo_accel.recipe.build import build_policy
 from grpo_accel.checkpoint import Checkpoint, CheckpointError
-from grpo_accel.recipe.checks import ConfigError
-from grpo_accel.recipe.loading import load_config, to_dict
-from grpo_accel.recipe.schema import LoraConfig
 from grpo_accel.distributed import optimizer_state_bytes, trainable_elements
-from grpo_accel.export import export_checkpoint, load_policy
 from grpo_accel.lora import BasePolicy, apply_lora, merge_lora
+from grpo_accel.recipe.checks import ConfigError
+from grpo_accel.recipe.export import export_checkpoint, load_policy
+from grpo_accel.recipe.loading import load_config, to_dict
+from grpo_accel.recipe.parts import build_policy, lora_policy
+from grpo_accel.recipe.schema import LoraConfig
 from grpo_accel.tasks.tiny import build_tiny_model
 from grpo_accel.weight_sync.gather import BucketedGather, engine_weights
 from trainer_utils import fresh_accelerate_state, make_trainer, reset_accelerate_state  # noqa: F401
@@ -24,7 +24,7 @@ LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_
 
 
 def lora_model(tokenizer, **kw):
-    return apply_lora(build_tiny_model(tokenizer, seed=0), LoraConfig(r=4, alpha=8, **kw), seed=0)
+    return apply_lora(build_tiny_model(tokenizer, seed=0), r=4, alpha=8, seed=0, **kw)
 
 
 def randomize_adapter(model, seed=1):
@@ -39,7 +39,7 @@ def randomize_adapter(model, seed=1):
 def test_only_the_adapter_trains_and_the_optimizer_holds_only_it(tokenizer):
     base = build_tiny_model(tokenizer, seed=0)
     full = trainable_elements(base)
-    model = apply_lora(base, LoraConfig(r=4, alpha=8), seed=0)
+    model = apply_lora(base, r=4, alpha=8, seed=0)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert len(trainable) == 2 * len(LINEAR) * 2  # A and B on every linear layer of both blocks; not lm_head
     assert all(".lora_A.default." in n or ".lora_B.default." in n for n in trainable)
@@ -52,10 +52,13 @@ def test_only_the_adapter_trains_and_the_optimizer_holds_only_it(tokenizer):
 
 
 def test_bad_lora_settings_are_named(tokenizer):
-    with pytest.raises(ConfigError, match=r"model.lora.target_modules=\['qkv'\].*'down_proj'.*'q_proj'"):
+    """apply_lora names its own argument; the recipe (lora_policy) names the config key for the same mistake."""
+    with pytest.raises(ValueError, match=r"^apply_lora: target_modules=\['qkv'\].*'down_proj'.*'q_proj'"):
         lora_model(tokenizer, target_modules=["qkv"])
-    with pytest.raises(ConfigError, match=r"model.lora.target_modules=\['embed_tokens'\].*Embedding.*linear"):
+    with pytest.raises(ValueError, match=r"^apply_lora: target_modules=\['embed_tokens'\].*Embedding.*linear"):
         lora_model(tokenizer, target_modules=["embed_tokens"])
+    with pytest.raises(ConfigError, match=r"^model.lora.target_modules=\['qkv'\].*'down_proj'.*'q_proj'"):
+        lora_policy(build_tiny_model(tokenizer, seed=0), LoraConfig(r=4, target_modules=["qkv"]), seed=0)
     for key, value in (("r", -1), ("alpha", 0), ("dropout", 1.0), ("target_modules", "[]")):
         with pytest.raises(ConfigError, match=f"model.lora.{key}="):
             load_config(None, [f"model.lora.{key}={value}"])

@@ -5,12 +5,11 @@ import math
 import pytest
 import torch
 
-from grpo_accel import batch as K
+from grpo_accel import batch
 from grpo_accel.advantages import group_advantages
 from grpo_accel.loss import (
     AGGREGATIONS,
     GRPOLoss,
-    aggregation_units,
     clipped_surrogate,
     distributed_normalizer,
     effective_sample_size,
@@ -62,7 +61,7 @@ def test_aggregation_normalisers_by_hand():
     token_loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])  # 9s are padding
     def agg(mode, max_tokens=None):
-        return AGGREGATIONS[mode](token_loss, mask) / aggregation_units(mode, mask, max_tokens)
+        return AGGREGATIONS[mode](token_loss, mask) / AGGREGATIONS[mode].units(mask, max_tokens)
     assert agg("token_mean") == pytest.approx((1 + 2 + 3 + 4) / 4)  # 2.5: every token weighs the same
     assert agg("seq_mean_token_mean") == pytest.approx((6 / 3 + 4 / 1) / 2)  # 3.0: every sequence the same
     assert agg("seq_mean_token_sum_norm", 4) == pytest.approx(10 / (2 * 4))  # 1.25: constant normaliser
@@ -108,11 +107,11 @@ def test_two_ranks_with_accumulation_equal_the_global_batch(mode):
         loss, _ = clipped_surrogate(token_log_ratio(logp[rows], old[rows], mask[rows]), adv[rows], 0.2, 0.28)
         return agg(loss, mask[rows])
 
-    full = numerator(slice(0, 8)) / aggregation_units(mode, mask, 5)
+    full = numerator(slice(0, 8)) / AGGREGATIONS[mode].units(mask, 5)
     expected = torch.autograd.grad(full, logp)[0]
     world, ga = 2, 2
     micro = [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)]  # rank 0: first two, rank 1: last two
-    total_units = sum(aggregation_units(mode, mask[m], 5) for m in micro)
+    total_units = sum(AGGREGATIONS[mode].units(mask[m], 5) for m in micro)
     norm = distributed_normalizer(total_units, world, ga)
     grads = torch.zeros_like(logp)
     for m in micro:  # Accelerate divides each micro-batch by ga; DDP averages over ranks
@@ -127,7 +126,7 @@ def _rollout(tokenizer, model, n_prompts=2, group=4, seed=0):
     torch.manual_seed(seed)
     engine = EmbeddedEngine(model, tokenizer, max_new_tokens=5)
     td = engine.generate([tokenizer(p)["input_ids"] for p in ["1+2=", "33+4="][:n_prompts]], group)
-    td[K.ADVANTAGES] = torch.randn(td.shape[0])
+    td[batch.ADVANTAGES] = torch.randn(td.shape[0])
     return td
 
 
@@ -152,9 +151,9 @@ def test_engine_mismatch_by_hand_and_in_the_loss(tokenizer, tiny_model):
     assert out["engine_logprob_abs_diff"] == pytest.approx(0.6 / 5)
     assert out["engine_prob_ratio_max"] == pytest.approx(math.exp(0.5))
     td = _rollout(tokenizer, tiny_model)  # the embedded engine: the trainer's own weights, batched differently
-    td[K.ENGINE_LOGPROBS][0, 0] += 0.25  # as if the engine's kernel had rounded that token's logprob apart
+    td[batch.ENGINE_LOGPROBS][0, 0] += 0.25  # as if the engine's kernel had rounded that token's logprob apart
     out = GRPOLoss(tiny_model)(td)
-    assert 0.25 / td[K.COMPLETION_MASK].sum() < out["engine_logprob_abs_diff"] < 0.25 / td[K.COMPLETION_MASK].sum() + 1e-5
+    assert 0.25 / td[batch.COMPLETION_MASK].sum() < out["engine_logprob_abs_diff"] < 0.25 / td[batch.COMPLETION_MASK].sum() + 1e-5
     assert out["engine_prob_ratio_max"] == pytest.approx(math.exp(0.25), abs=1e-4)
 
 
@@ -165,7 +164,7 @@ def test_kl_is_zero_when_reference_equals_policy(tokenizer, tiny_model):
         loss.add_reference_logprobs(td)
         out = loss(td)
         assert out["loss_kl"].abs() < 1e-6 and out["kl_ref"].abs() < 1e-6
-        del td[K.REF_LOGPROBS]
+        del td[batch.REF_LOGPROBS]
 
 
 def test_reference_is_never_run_with_zero_kl(tokenizer, tiny_model):
@@ -176,12 +175,12 @@ def test_reference_is_never_run_with_zero_kl(tokenizer, tiny_model):
     loss = GRPOLoss(tiny_model, Exploding(), kl_coef=0.0)
     td = _rollout(tokenizer, tiny_model)
     loss.add_reference_logprobs(td)
-    assert K.REF_LOGPROBS not in td.keys() and "loss_kl" not in loss(td).keys()
+    assert batch.REF_LOGPROBS not in td.keys() and "loss_kl" not in loss(td).keys()
 
 
 def test_positive_advantage_raises_its_completion_logprob(tokenizer, tiny_model):
     td = _rollout(tokenizer, tiny_model, n_prompts=1, group=2)
-    td[K.ADVANTAGES] = torch.tensor([1.0, -1.0])
+    td[batch.ADVANTAGES] = torch.tensor([1.0, -1.0])
     loss = GRPOLoss(tiny_model)
     before = loss.logprobs(tiny_model, td).sum(-1).detach()
     opt = torch.optim.SGD(tiny_model.parameters(), lr=0.5)
@@ -203,8 +202,8 @@ def test_loss_gradient_matches_finite_difference(tokenizer, tiny_model, importan
     loss = GRPOLoss(model, copy.deepcopy(model), kl_coef=0.05, importance_level=importance_level,
                     aggregation=aggregation, tis_cap=tis_cap)
     with torch.no_grad():  # off-policy old logprobs so clipping and the ratio matter
-        td[K.OLD_LOGPROBS] = loss.logprobs(model, td) + 0.3 * torch.randn(td[K.COMPLETION_IDS].shape) * td[K.COMPLETION_MASK]
-        td[K.REF_LOGPROBS] = td[K.OLD_LOGPROBS] - 0.1
+        td[batch.OLD_LOGPROBS] = loss.logprobs(model, td) + 0.3 * torch.randn(td[batch.COMPLETION_IDS].shape) * td[batch.COMPLETION_MASK]
+        td[batch.REF_LOGPROBS] = td[batch.OLD_LOGPROBS] - 0.1
     weight = model.lm_head.weight
 
     def total():

@@ -22,7 +22,7 @@ def test_smollm2_is_a_plain_llama_folder_that_answers_sensibly(smollm2):
 
 
 def test_unknown_model_names_the_choices(tmp_path):
-    from grpo_accel.models import convert
+    from grpo_accel.recipe.models import convert
 
     with pytest.raises(ValueError, match=r"unknown model 'smollm3': choose one of \['smollm2-135m'\]"):
         convert("smollm3", tmp_path)

@@ -15,10 +15,10 @@ ELSEWHERE = {  # how a command starts -> why it does not run in this suite, and 
     "bash launch/setup.sh && .venv/bin/python -m pytest": "the test suite itself (what .ci/run runs)",
     "MAIN_ADDR=": "needs a second machine; tests/test_distributed.py runs launch/multinode.sh on this one",
     "sbatch ": "needs SLURM; tests/test_distributed.py runs launch/slurm.sbatch with sbatch-less shims",
-    "MODEL=": "needs GPUs for SGLang servers; tests/test_sglang.py runs launch/sglang.sh with DRY_RUN",
+    "MODEL=": "needs GPUs for SGLang servers; tests/test_sglang_runs.py runs launch/sglang.sh with DRY_RUN",
     ".venv/bin/accelerate launch --config_file accelerate_configs/zero3.yaml launch/train.py model.name_or_path=M":
-        "needs SGLang servers on other machines; tests/test_sglang.py runs the same path against stand-ins",
-    "python tests/sglang_standin.py": "a measurement recipe with placeholders (M, B, L); tests/test_sglang.py runs it",
+        "needs SGLang servers on other machines; tests/test_sglang_runs.py runs the same path against stand-ins",
+    "python tests/sglang_standin.py": "a measurement recipe with placeholders (M, B, L); tests/test_sglang_runs.py runs it",
     "accelerate launch --config_file accelerate_configs/zero3.yaml launch/train.py model.name_or_path=M":
         "the second half of that measurement recipe",
     ".venv/bin/python launch/bench.py": "minutes at 10m parameters; tests/test_bench.py runs the benchmark small",
@@ -35,7 +35,7 @@ ELSEWHERE = {  # how a command starts -> why it does not run in this suite, and 
     "launch/configs/smollm2_arithmetic.yaml": "40 minutes; tests/test_launch.py runs the recipe's path on the real "
         "model at a tiny scale",
     ".venv/bin/accelerate launch --config_file accelerate_configs/single_process.yaml launch/train.py --config "
-    "launch/configs/smollm2_calculator.yaml": "about 10 minutes; tests/test_episodes.py runs the recipe's path on the "
+    "launch/configs/smollm2_calculator.yaml": "about 10 minutes; tests/test_episode_runs.py runs the recipe's path on the "
         "real model at a tiny scale",
 }
 TRAINS = re.compile(r"accelerate launch --config_file accelerate_configs/\w+\.yaml launch/train\.py$")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grpo_accel.checkpoint import Checkpoint, CheckpointError
-from grpo_accel.export import checkpoint_state_dict, policy_weights
+from grpo_accel.recipe.export import checkpoint_state_dict, policy_weights
 from launching import launch
 from trainer_utils import train_in_process
 
@@ -123,7 +123,7 @@ def test_resume_with_another_process_count_says_how(tmp_path, straight, never):
     with pytest.raises(CheckpointError, match="was written by 2 processes, this run has 1") as err:
         train_in_process([f"output_dir={run}", f"trainer.total_frames={8 * BATCH}", *BASE, never,
                           "checkpoint.resume=auto"])
-    assert "grpo_accel.export" in str(err.value)
+    assert "python -m grpo_accel.export" in str(err.value)
     assert contents(run) == before
 
 
@@ -188,7 +188,7 @@ def test_a_fresh_run_never_lands_on_another_runs_outputs(tmp_path, caplog):
 def test_zero3_export_matches_the_single_process_model(tmp_path, straight, never):
     from transformers import AutoModelForCausalLM
 
-    from grpo_accel.export import export_checkpoint
+    from grpo_accel.recipe.export import export_checkpoint
 
     single, z3 = tmp_path / "single", straight("zero3.yaml")
     train_in_process([f"output_dir={single}", f"trainer.total_frames={4 * BATCH}", *BASE, never,

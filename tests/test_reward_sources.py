@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import reward_helpers
+from grpo_accel.recipe.parts import build_reward
+from grpo_accel.recipe.rollout_schema import RewardConfig
 from grpo_accel.reward_sources import AsyncReward, RemoteReward, RewardFault, TimedReward
 from grpo_accel.rewards import RewardSet, answer_match, standardise
 from launching import ROOT, free_port, launch
@@ -54,9 +56,12 @@ def test_a_call_that_overruns_or_fails_gets_the_fallback_and_its_worker_is_repla
     reward.close()
     assert not reward_workers(), "no worker is left behind"
     strict = TimedReward("moody", reward_helpers.moody, processes=1, timeout_s=1.0)
-    with pytest.raises(RewardFault, match=r"'moody' took more than 1 s \(rewards\[name=moody\].timeout_s\) on "
-                                          r"completion 0 .*set rewards\[name=moody\].fallback"):
+    with pytest.raises(RewardFault, match=r"'moody' took more than 1 s \(timeout_s\) on completion 0 .*set fallback"):
         strict(["p"], ["slow"])
+    from_config = build_reward(RewardConfig(name="reward_helpers:moody", processes=1, timeout_s=1.0))
+    with pytest.raises(RewardFault, match=r"took more than 1 s \(rewards\[name=reward_helpers:moody\].timeout_s\) on "
+                                          r"completion 0 .*set rewards\[name=reward_helpers:moody\].fallback"):
+        from_config(["p"], ["slow"])  # built from a config, it names the config's keys
     assert not reward_workers()
 
 
@@ -117,9 +122,12 @@ def test_a_reward_service_scores_as_the_function_does_and_a_stopped_one_is_named
                       f"rewards=[{{name: remote, url: '{url}/score', batch_size: 64}}]"])
     proc.kill()
     proc.wait()
+    with pytest.raises(RewardFault, match=rf"reward service 'remote' at url='{url}/score': "
+                                          r".*cannot reach the server.*set fallback"):
+        RemoteReward("remote", f"{url}/score", retries=0)(prompts, completions, answer=answers)
     with pytest.raises(RewardFault, match=rf"reward service 'remote' at rewards\[name=remote\].url='{url}/score': "
                                           r".*cannot reach the server.*set rewards\[name=remote\].fallback"):
-        RemoteReward("remote", f"{url}/score", retries=0)(prompts, completions, answer=answers)
+        build_reward(RewardConfig(name="remote", url=f"{url}/score", retries=0))(prompts, completions, answer=answers)
     lenient = RemoteReward("remote", f"{url}/score", retries=0, fallback=0.5)
     assert lenient(prompts, completions, answer=answers) == [0.5] * 4 and lenient.faults["errors"] == [1] * 4
 

@@ -2,22 +2,20 @@
 SGLang's own code and source (its request classes, auth decision, group join and session guards), for the oldest
 and newest supported release."""
 import hashlib
-import json
-import os
-import subprocess
 
 import pytest
 import torch
 
-from grpo_accel import batch as K
+from grpo_accel import batch
 from grpo_accel.http import HTTPClient, ServerError
 from grpo_accel.logprobs import sequence_logprobs
+from grpo_accel.recipe.build import SGLANG_NAMES
 from grpo_accel.sglang.engine import SGLangEngine
 from conftest import save_model
-from launching import ROOT, free_port, launch
+from launching import free_port
 from sglang_source import VERSIONS
 from standin import NEWEST, control, fail_next, server_state
-from trainer_utils import reset_accelerate_state, train_in_process
+from trainer_utils import reset_accelerate_state
 
 
 @pytest.fixture(scope="module")
@@ -46,17 +44,17 @@ def test_rollouts_carry_engine_logprobs_equal_to_the_trainer_forward(server, tok
     engine = SGLangEngine([server, server], tokenizer, max_new_tokens=5, temperature=0.7)
     prompts = [tokenizer(p)["input_ids"] for p in ["1+2=", "3+3=", "12+4="]]
     td = engine.generate(prompts, group_size=4, seeds=[1, 2, 3])
-    assert td.shape == (12,) and (td[K.WEIGHT_VERSION] == 0).all()
+    assert td.shape == (12,) and (td[batch.WEIGHT_VERSION] == 0).all()
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     with torch.no_grad():
-        teacher = sequence_logprobs(model, td[K.PROMPT_IDS], td[K.PROMPT_MASK], td[K.COMPLETION_IDS],
-                                    td[K.COMPLETION_MASK], temperature=0.7)
-    torch.testing.assert_close(td[K.ENGINE_LOGPROBS], teacher, atol=1e-5, rtol=1e-5)
-    for ids, mask, reason in zip(td[K.COMPLETION_IDS], td[K.COMPLETION_MASK], td[K.FINISH_REASON]):
+        teacher = sequence_logprobs(model, td[batch.PROMPT_IDS], td[batch.PROMPT_MASK], td[batch.COMPLETION_IDS],
+                                    td[batch.COMPLETION_MASK], temperature=0.7)
+    torch.testing.assert_close(td[batch.ENGINE_LOGPROBS], teacher, atol=1e-5, rtol=1e-5)
+    for ids, mask, reason in zip(td[batch.COMPLETION_IDS], td[batch.COMPLETION_MASK], td[batch.FINISH_REASON]):
         n = int(mask.sum())
-        assert (reason == K.FINISH_STOP) == (ids[n - 1] == tokenizer.eos_token_id)
+        assert (reason == batch.FINISH_STOP) == (ids[n - 1] == tokenizer.eos_token_id)
     again = engine.generate(prompts, group_size=4, seeds=[1, 2, 3])
-    assert torch.equal(again[K.COMPLETION_IDS], td[K.COMPLETION_IDS]), "sampling_seed makes rollouts reproducible"
+    assert torch.equal(again[batch.COMPLETION_IDS], td[batch.COMPLETION_IDS]), "sampling_seed makes rollouts reproducible"
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -86,7 +84,7 @@ def test_transient_failures_are_retried_and_aborts_too(server, tokenizer):
         SGLangEngine([server], tokenizer, max_new_tokens=3, retries=2, backoff_s=0.01).generate([[7]], 2)
     fail_next(server, "/generate", "abort")
     td = engine.generate([[7, 14, 8, 17]], 2, seeds=[0])
-    assert (td[K.FINISH_REASON] != K.FINISH_ABORT).all(), "an aborted batch is generated again"
+    assert (td[batch.FINISH_REASON] != batch.FINISH_ABORT).all(), "an aborted batch is generated again"
     fail_next(server, "/generate", "abort", times=9)
     with pytest.raises(ServerError, match="kept aborting without generating \\(Abort before prefill, status 503\\) "
                                           "after 3 retries"):
@@ -98,12 +96,18 @@ def test_keys_health_wait_and_unreachable_servers(model_dir, servers, tokenizer)
     engine = SGLangEngine([url], tokenizer, max_new_tokens=2, api_key="s3cret", health_timeout_s=30)
     assert engine.generate([[7, 14]], 2).shape == (2,)
     assert sum(path == "/health" for path, _ in server_state(url)["requests"]) > 1, "it waited for the server"
-    # /health needs no key in SGLang: a wrong key is caught at /server_info, before the first batch
+    # /health needs no key in SGLang: a wrong key is caught at /server_info, before the first batch; the message
+    # names the engine's argument, or the config's key when the recipe built the engine (names=SGLANG_NAMES)
     with pytest.raises(ServerError, match=r"/server_info -> HTTP 401: Unauthorized; the server wants another "
-                                          r"key: set rollout.api_key"):
+                                          r"key: set api_key\."):
         SGLangEngine([url], tokenizer, max_new_tokens=2, api_key="wrong")
-    with pytest.raises(ServerError, match=r"was not healthy after 1 s.*rollout.urls"):
+    with pytest.raises(ServerError, match=r"the server wants another key: set rollout.api_key\."):
+        SGLangEngine([url], tokenizer, max_new_tokens=2, api_key="wrong", names=SGLANG_NAMES)
+    with pytest.raises(ServerError, match=r"was not healthy after 1 s.*urls is right, or raise health_timeout_s"):
         SGLangEngine([f"http://127.0.0.1:{free_port()}"], tokenizer, max_new_tokens=2, health_timeout_s=1)
+    with pytest.raises(ServerError, match=r"was not healthy after 1 s.*rollout.urls is right.*rollout.health_timeout_s"):
+        SGLangEngine([f"http://127.0.0.1:{free_port()}"], tokenizer, max_new_tokens=2, health_timeout_s=1,
+                     names=SGLANG_NAMES)
 
 
 def test_waiting_for_a_server_says_what_it_waits_for(caplog):
@@ -113,7 +117,7 @@ def test_waiting_for_a_server_says_what_it_waits_for(caplog):
     reports = [r.getMessage() for r in caplog.records if "waiting for SGLang server" in r.getMessage()]
     assert 2 <= len(reports) <= 4, reports
     assert f"waiting for SGLang server {url}" in reports[0] and "nothing listens there yet" in reports[0]
-    assert "s left of rollout.health_timeout_s" in reports[0]
+    assert "s left of health_timeout_s" in reports[0]
 
 
 # ------------------------------------------------------------------- weight senders, in this process
@@ -144,7 +148,7 @@ def assert_server_holds(url, model):
 
 
 def distributed_sender(accelerator, model, url, **kw):
-    from grpo_accel.sglang.sender import DistributedWeightSender
+    from grpo_accel.sglang.from_distributed import DistributedWeightSender
 
     kw = {"master_port": free_port(), "dtype": torch.float32, "bucket_mb": 0.05, "timeout_s": 60, **kw}
     return DistributedWeightSender(accelerator, model, [url] if isinstance(url, str) else url, **kw)
@@ -216,7 +220,7 @@ def test_the_group_join_failure_names_the_store_and_the_servers(accelerator, mod
     message = str(info.value)
     assert "the weight-update group 'weight_update_group-" in message and "did not form within 2 s" in message
     assert f"TCP store 127.0.0.1:{port}, keys under 'weight_update_group-" in message
-    assert f"{url} as ranks 1..1" in message and "weight_sync.master_address:master_port" in message
+    assert f"{url} as ranks 1..1" in message and "connecting to master_address:master_port" in message
 
 
 @pytest.mark.parametrize("flag", ["--dp-size", "--pp-size"])
@@ -233,9 +237,9 @@ def test_admin_key_for_weight_endpoints(accelerator, model_dir, servers):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     url = servers.get(model_dir, "--api-key", "user", "--admin-api-key", "admin")
-    with pytest.raises(ServerError, match=r"HTTP 401.*set weight_sync.admin_api_key"):
+    with pytest.raises(ServerError, match=r"HTTP 401.*set weight_sync.admin_api_key \(or rollout.api_key when"):
         # the trainer's side of the refused join waits out timeout_s in a thread: 3 s, not a pending wait at exit
-        distributed_sender(accelerator, model, url, api_key="user", timeout_s=3)
+        distributed_sender(accelerator, model, url, api_key="user", timeout_s=3, names=SGLANG_NAMES)
     sender = distributed_sender(accelerator, model, url, api_key="user", admin_api_key="admin")
     sender.update_weights()
     assert_server_holds(url, model)
@@ -274,129 +278,9 @@ def test_a_real_pretrained_llama_round_trips_in_bfloat16(accelerator, smollm2, s
 def test_tensor_path_needs_sglang_and_a_gpu(tokenizer):
     from accelerate import Accelerator
 
+    from grpo_accel.sglang.from_tensor import TensorWeightSender
     from grpo_accel.tasks.tiny import build_tiny_model
-    from grpo_accel.sglang.sender import TensorWeightSender
 
     with pytest.raises((ImportError, RuntimeError), match="sglang|GPU"):
         TensorWeightSender(Accelerator(), build_tiny_model(tokenizer), ["http://127.0.0.1:1"])
     reset_accelerate_state()
-
-
-# ------------------------------------------------------------------- GRPO runs that sync weights to it
-
-
-def sglang_args(out, url, model_dir, *extra) -> list[str]:
-    """launch/train.py's arguments for a small run that samples from the stand-in at ``url`` and syncs to it."""
-    return [f"output_dir={out}", f"model.name_or_path={model_dir}", "rollout.backend=sglang", f"rollout.urls=[{url}]",
-            "weight_sync.backend=gloo", f"weight_sync.master_port={free_port()}", "weight_sync.dtype=float32",
-            "weight_sync.bucket_mb=0.05", "trainer.total_frames=384", "trainer.micro_batch_completions=64",
-            "trainer.progress_bar=false", "checkpoint.interval_frames=null", *extra]
-
-
-def final_policy(out):
-    """The run's final weights as the engine serves them (a LoRA run's merged), by name."""
-    from grpo_accel.checkpoint import Checkpoint
-    from grpo_accel.export import load_policy
-    from grpo_accel.lora import merged_model
-
-    return merged_model(load_policy(Checkpoint(out / "checkpoints").complete()[-1])).state_dict()
-
-
-def assert_server_holds_checkpoint(url, out):
-    trained_weights = final_policy(out)
-    for name, value in server_state(url)["params"].items():
-        assert torch.equal(torch.tensor(value), trained_weights[name]), name  # float32 sync: bitwise
-
-
-@pytest.mark.parametrize("version, layout, lora", [(NEWEST, "per_tensor", ()),
-                                                   (VERSIONS[0], "flattened_bucket", ("model.lora.r=4",))])
-def test_zero3_grpo_run_keeps_the_server_weights_equal_to_the_trainer(tmp_path, model_dir, fresh_server, version,
-                                                                      layout, lora, monkeypatch, capsys):
-    """Both layouts, with (0.5.23) and without (0.5.9) the update session, each through a refused update; the
-    other two pairings run in-process above. The LoRA run pushes base + alpha/r * B A under the base names."""
-    url, out = fresh_server(version), tmp_path / "run"
-    fail_next(url, "/update_weights_from_distributed", "refuse")
-    proc = launch("zero3.yaml", sglang_args(out, url, model_dir, f"weight_sync.layout={layout}", *lora))
-    state = server_state(url)
-    assert_server_holds_checkpoint(url, out)
-    monkeypatch.syspath_prepend(str(ROOT / "launch"))
-    from check_sglang import main as check_sglang  # launch/gpu_check.sh's verdicts, here on the stand-in
-
-    capsys.readouterr()
-    assert check_sglang(["--url", url, "--run", str(out)]) == 0
-    verdicts = capsys.readouterr().out
-    assert "pushing everything again" in proc.stderr
-    assert state["weight_version"] == "3" and state["loads"] > 3 and state["groups"] == []
-    assert [line.split()[:2] for line in verdicts.splitlines() if line[:4] in ("PASS", "FAIL", "SKIP")] == [
-        ["PASS", "release:"], ["PASS", "weight"], ["PASS", "weights:"], ["PASS", "generations:"]], verdicts
-    from grpo_accel.reporting.tracking import read_scalars
-
-    versions = [v for _, v in read_scalars(out / "tensorboard")["train/weight_version_mean"]]
-    assert versions == [0.0, 1.0, 2.0], "each batch was generated with the weights pushed after the previous one"
-    checked = [body["name"] for path, body in state["requests"] if path == "/get_weights_by_name"]
-    assert checked[1:3] == ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"]
-    assert len(checked) == 1 + 6, "asked once if it works; ZeRO-3 shards gathered and checked after every push"
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["zero_stage"] == 3 and 0 < summary["weight_sync_peak_extra_bytes"] <= 2 * 0.05 * 2**20
-    if lora:  # the adapter trained, and what the server holds is the merge, not the base
-        from safetensors.torch import load_file
-
-        base = load_file(str(model_dir / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight"]
-        served = torch.tensor(state["params"]["model.layers.0.self_attn.q_proj.weight"])
-        assert not torch.equal(served, base)
-
-
-def test_disk_path(tmp_path, model_dir, fresh_server):
-    """In this process (one process: the launched runs above and below cover several)."""
-    url, out = fresh_server(), tmp_path / "run"
-    train_in_process(sglang_args(out, url, model_dir, "weight_sync.method=disk",
-                                              "trainer.micro_batch_completions=128"))
-    state = server_state(url)
-    assert_server_holds_checkpoint(url, out)
-    assert state["weight_version"] == "3" and state["loads"] == 3
-    assert len(list((out / "weights").glob("version_*"))) == 2  # older pushes are deleted
-
-
-def test_a_sync_that_keeps_failing_stops_with_a_checkpoint_and_the_resume_pushes_first(tmp_path, model_dir,
-                                                                                       fresh_server):
-    """Under ZeRO-2 (2 processes): the first push fails twice, so the run stops with an error and a checkpoint
-    after batch 1, every process together; its resume pushes that checkpoint's weights (one failed bucket,
-    pushed again) before it generates batch 2."""
-    from grpo_accel.checkpoint import Checkpoint
-    from grpo_accel.reporting.tracking import read_scalars
-
-    url, out = fresh_server(), tmp_path / "run"
-    fail_next(url, "/update_weights_from_distributed", times=2)
-    failed = launch("zero2.yaml", sglang_args(out, url, model_dir), expect_ok=False)
-    assert failed.returncode != 0 and "weights could not be pushed after 2 attempts" in failed.stderr
-    last = Checkpoint(out / "checkpoints").complete()[-1]
-    assert last.name == "step_00000001"
-    assert json.loads((last / "metadata.json").read_text())["reason"] == "weight sync failed"
-    assert server_state(url)["weight_version"] == "default"
-    fail_next(url, "/update_weights_from_distributed", "success_false")
-    resumed = launch("zero2.yaml", sglang_args(out, url, model_dir, "checkpoint.resume=auto"))
-    state = server_state(url)
-    assert_server_holds_checkpoint(url, out)
-    versions = [int(body["weight_version"]) for path, body in state["requests"]
-                if path == "/update_weights_from_distributed" and body["weight_version"] is not None]
-    assert versions == [1, 2, 3] and state["weight_version"] == "3"  # version 1 first, at the resume
-    assert "pushing everything again" in resumed.stderr and state["groups"] == []
-    weight_versions = read_scalars(out / "tensorboard")["train/weight_version_mean"]  # batch 1 ended in the error
-    assert weight_versions == [(2, 1.0), (3, 2.0)], "batch 2 was generated with the weights pushed at the resume"
-
-
-def test_unreachable_server_at_start_is_a_clear_error(tmp_path, model_dir):
-    with pytest.raises(ServerError, match="was not healthy after 1 s"):
-        train_in_process(sglang_args(tmp_path / "run", f"http://127.0.0.1:{free_port()}", model_dir,
-                                                  "rollout.health_timeout_s=1"))
-
-
-def test_launch_script_wires_servers_to_the_trainer():
-    env = {**os.environ, "DRY_RUN": "1", "MODEL": "m", "SERVER_GPUS": "0 1", "TRAIN_GPUS": "2,3,4", "PYTHON": "py"}
-    lines = subprocess.run(["bash", str(ROOT / "launch" / "sglang.sh"), "trainer.total_frames=9"], env=env,
-                           capture_output=True, text=True, check=True, timeout=60).stdout.splitlines()
-    server = "py -m sglang.launch_server --model-path m --enable-deterministic-inference --port"
-    assert lines[:2] == [f"CUDA_VISIBLE_DEVICES=0 {server} 30000", f"CUDA_VISIBLE_DEVICES=1 {server} 30001"]
-    assert "--num_processes 3" in lines[2] and "rollout.urls=[http://127.0.0.1:30000,http://127.0.0.1:30001]" in lines[2]
-    assert lines[2].endswith("trainer.total_frames=9")
-

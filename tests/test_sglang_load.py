@@ -12,9 +12,10 @@ import time
 import pytest
 import torch
 
-from grpo_accel import batch as K
+from grpo_accel import batch
 from grpo_accel.data import DataError
 from grpo_accel.http import HTTPClient, ServerError
+from grpo_accel.layout import BatchLayout
 from grpo_accel.logprobs import sequence_logprobs
 from grpo_accel.sglang.engine import SGLangEngine
 from launching import free_port, launch
@@ -32,7 +33,7 @@ def accelerator():
 
 
 def distributed_sender(accelerator, model, urls, **kw):
-    from grpo_accel.sglang.sender import DistributedWeightSender
+    from grpo_accel.sglang.from_distributed import DistributedWeightSender
 
     kw = {"master_port": free_port(), "dtype": torch.float32, "bucket_mb": 0.05, "timeout_s": 60, **kw}
     return DistributedWeightSender(accelerator, model, urls, **kw)
@@ -77,9 +78,9 @@ def test_pushes_during_generation_lose_no_token_and_each_token_keeps_its_weights
     pusher.join()
     counts = control(url, "/_standin/counts")
     sender.close()
-    assert counts["sampled"] == int(td[K.COMPLETION_MASK].sum()), "every token the server drew is in the rollout"
-    assert (td[K.FINISH_REASON] != K.FINISH_ABORT).all()
-    first, last = td[K.WEIGHT_VERSION], td[K.WEIGHT_VERSION_LAST]
+    assert counts["sampled"] == int(td[batch.COMPLETION_MASK].sum()), "every token the server drew is in the rollout"
+    assert (td[batch.FINISH_REASON] != batch.FINISH_ABORT).all()
+    first, last = td[batch.WEIGHT_VERSION], td[batch.WEIGHT_VERSION_LAST]
     assert (last > first).any() and int(last.max()) <= 3, "partial rollouts, recorded as such"
     requests = sum(path == "/generate" for path, _ in server_state(url)["requests"])
     if mode == "retract":
@@ -87,13 +88,13 @@ def test_pushes_during_generation_lose_no_token_and_each_token_keeps_its_weights
     else:
         assert counts["aborted"] > 0 and requests > 4, "aborted completions were continued, not sent again"
     with torch.no_grad():  # [versions, N, C]: each version's logprob of every token
-        forwards = torch.stack([sequence_logprobs(versions[v], td[K.PROMPT_IDS], td[K.PROMPT_MASK],
-                                                  td[K.COMPLETION_IDS], td[K.COMPLETION_MASK], temperature=1.0)
+        forwards = torch.stack([sequence_logprobs(versions[v], td[batch.PROMPT_IDS], td[batch.PROMPT_MASK],
+                                                  td[batch.COMPLETION_IDS], td[batch.COMPLETION_MASK], temperature=1.0)
                                 for v in range(4)])
-    close = (forwards - td[K.ENGINE_LOGPROBS]).abs() < 1e-4
+    close = (forwards - td[batch.ENGINE_LOGPROBS]).abs() < 1e-4
     in_span = (torch.arange(4)[:, None] >= first) & (torch.arange(4)[:, None] <= last)  # [versions, N]
     matched = (close & in_span[..., None]).any(0)
-    assert matched[td[K.COMPLETION_MASK].bool()].all(), "each token's logprob is one of its row's versions'"
+    assert matched[td[batch.COMPLETION_MASK].bool()].all(), "each token's logprob is one of its row's versions'"
 
 
 # -------------------------------------------------------------------------------------------- context limits
@@ -117,22 +118,27 @@ def test_requests_stay_inside_the_servers_context(model_dir, servers, tokenizer,
     engine = SGLangEngine([url], tokenizer, max_new_tokens=8)
     assert (engine.context_length, engine.context_limit) == (24, 23)
     td = engine.generate([[7] * 20, [7] * 23, [7] * 4], 1, seeds=[0, 1, 2])
-    lengths = td[K.COMPLETION_MASK].sum(-1).tolist()
-    assert lengths[0] <= 3 and lengths[1] == 0 and int(td[K.FINISH_REASON][1]) == K.FINISH_LENGTH
+    lengths = td[batch.COMPLETION_MASK].sum(-1).tolist()
+    assert lengths[0] <= 3 and lengths[1] == 0 and int(td[batch.FINISH_REASON][1]) == batch.FINISH_LENGTH
     sent = [(len(ids), p["max_new_tokens"]) for path, body in server_state(url)["requests"] if path == "/generate"
             for ids, p in zip(body["input_ids"], body["sampling_params"])]
     assert sorted(sent) == [(4, 8), (20, 3)], "budgets cut to the context; a full context is not sent at all"
 
 
 def test_a_prompt_that_can_never_fit_is_refused_before_the_first_batch(model_dir, servers, tokenizer):
+    from grpo_accel.recipe.build import COLLECTOR_NAMES
     from grpo_accel.rewards import RewardSet, answer_match
     from grpo_accel.rollout.collector import GRPOCollector
 
     engine = SGLangEngine([servers.get(model_dir, "--context-length", "24")], tokenizer, max_new_tokens=8)
     rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "1+2+3+4+5+6+7+8=", "answer": "36"}]
-    with pytest.raises(DataError, match=r"rollout.max_new_tokens=8: the longest prompt \(row 1, \d+ tokens\) .* "
-                                        r"exceed the 23 tokens .*rollout.max_prompt_tokens"):
-        GRPOCollector(engine, tokenizer, rows, RewardSet({"a": answer_match}), prompts_per_batch=2, group_size=2)
+    with pytest.raises(DataError, match=r"^max_new_tokens=8: the longest prompt \(row 1, \d+ tokens\) .* "
+                                        r"exceed the 23 tokens .*or max_prompt_tokens \(now None\)"):
+        GRPOCollector(engine, tokenizer, rows, RewardSet({"a": answer_match}), layout=BatchLayout(2, 2))
+    with pytest.raises(DataError, match=r"^rollout.max_new_tokens=8: the longest prompt \(row 1, \d+ tokens\) .* "
+                                        r"exceed the 23 tokens .*rollout.max_prompt_tokens"):  # as the recipe builds it
+        GRPOCollector(engine, tokenizer, rows, RewardSet({"a": answer_match}), layout=BatchLayout(2, 2),
+                      names=COLLECTOR_NAMES)
 
 
 def test_episodes_that_fill_the_context_end_length_on_both_engines(servers, tmp_path):
@@ -159,9 +165,9 @@ def test_episodes_that_fill_the_context_end_length_on_both_engines(servers, tmp_
     for engine in (SGLangEngine([url], tok, max_new_tokens=6), EmbeddedEngine(model, tok, max_new_tokens=6)):
         runner = EpisodeRunner(engine, tok, Countdown, max_turns=3)
         td, episodes = runner.run(rows, runner.encode(rows), group_size=2, seeds=[1, 2, 3])
-        total = td[K.PROMPT_MASK].sum(-1) + td[K.COMPLETION_MASK].sum(-1)
+        total = td[batch.PROMPT_MASK].sum(-1) + td[batch.COMPLETION_MASK].sum(-1)
         assert int(total.max()) <= context - 1
-        cut = [ep for ep in episodes if ep.finish == K.FINISH_LENGTH]
+        cut = [ep for ep in episodes if ep.finish == batch.FINISH_LENGTH]
         assert cut and all(ep.turns < 3 or ep.messages[-1]["role"] == "assistant" for ep in cut)
     sent = [len(ids) + p["max_new_tokens"] for path, body in server_state(url)["requests"] if path == "/generate"
             for ids, p in zip(body["input_ids"], body["sampling_params"])]
@@ -237,7 +243,7 @@ def test_zero3_async_run_with_four_pushes_per_batch_keeps_every_token(tmp_path, 
     run finishes, the server holds the trainer's final weights bitwise, no token was aborted or drawn for
     nothing, and the partial rollouts are in the metrics."""
     from grpo_accel.reporting.tracking import read_scalars
-    from test_sglang import assert_server_holds_checkpoint, sglang_args
+    from test_sglang_runs import assert_server_holds_checkpoint, sglang_args
 
     url, out = servers.get(model_dir, "--deterministic", "--decode-delay", "0.2"), tmp_path / "run"
     proc = launch("zero3.yaml", sglang_args(
@@ -271,7 +277,7 @@ def test_servers_on_another_host_get_the_weights_with_no_address_set(tmp_path, m
 
     from launching import ROOT
     from netns import two_hosts
-    from test_sglang import final_policy, sglang_args
+    from test_sglang_runs import final_policy, sglang_args
 
     with two_hosts() as hosts:
         address = hosts.addresses[1]
@@ -308,7 +314,7 @@ def test_colocated_servers_free_their_memory_while_the_trainer_trains(tmp_path, 
     cache, before anything is generated again (the stand-in answers 500 to generation or loading on freed memory,
     and a server without the flag is refused at start)."""
     from grpo_accel.recipe.checks import ConfigError
-    from test_sglang import assert_server_holds_checkpoint, sglang_args
+    from test_sglang_runs import assert_server_holds_checkpoint, sglang_args
 
     url, out = servers.get(model_dir, "--deterministic", "--enable-memory-saver"), tmp_path / "run"
     train_in_process(sglang_args(out, url, model_dir, "rollout.colocate=true"))

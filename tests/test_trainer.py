@@ -4,8 +4,9 @@ import copy
 import pytest
 import torch
 
-from grpo_accel import batch as K
+from grpo_accel import batch
 from grpo_accel.buffer import ReplayBuffer
+from grpo_accel.layout import BatchLayout
 from trainer_utils import (fresh_accelerate_state, make_trainer, reset_accelerate_state,  # noqa: F401 (autouse fixture)
                            without_wall_times)
 
@@ -31,7 +32,7 @@ def test_kept_buffer_grows_and_old_logprobs_are_stored(tokenizer, tiny_model):
     trainer = make_trainer(tokenizer, tiny_model, empty_replay_buffer_on_weight_update=False, optim_steps_per_batch=1)
     trainer.train()
     assert len(trainer.replay_buffer) == 48
-    assert all(K.OLD_LOGPROBS in mb.keys() for mb in trainer.replay_buffer)
+    assert all(batch.OLD_LOGPROBS in mb.keys() for mb in trainer.replay_buffer)
 
 
 def test_first_epoch_is_on_policy_then_ratio_moves(tokenizer, tiny_model):
@@ -136,7 +137,7 @@ def test_compute_loss_methods_and_explicit_device(tokenizer, tiny_model):
     td = trainer.collector.collect()
     out = trainer.compute_loss(td)
     assert "loss_objective" in out.keys()
-    assert float(trainer.compute_loss(td, method="units")) == float(td[K.COMPLETION_MASK].sum())
+    assert float(trainer.compute_loss(td, method="units")) == float(td[batch.COMPLETION_MASK].sum())
 
 
 def test_progress_bar_shows_frames_on_a_terminal(tokenizer, tiny_model, capsys, monkeypatch):
@@ -168,9 +169,16 @@ def test_micro_batches_must_fill_accumulation(tokenizer, tiny_model):
     with pytest.raises(ValueError, match=r"batch_size=8: 2 micro-batches per epoch \(16 completions / 8\) is not a "
                                          r"multiple of gradient_accumulation_steps=4"):
         make_trainer(tokenizer, tiny_model, batch_size=8, gradient_accumulation_steps=4)
+    auto = make_trainer(tokenizer, tiny_model, gradient_accumulation_steps=4)  # no batch_size: the share / 4
+    assert auto.replay_buffer.batch_size == 4
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=3: each process collects 16 completions .* "
+                                         r"use one of \[1, 2, 4, 8, 16\]"):
+        make_trainer(tokenizer, tiny_model, gradient_accumulation_steps=3)
 
 
 def test_a_collector_split_for_another_process_count_is_refused(tokenizer, tiny_model):
+    """Sharding is explicit: the trainer reads the collector's layout and rank and refuses what does not match its
+    accelerator, instead of splitting the collector itself."""
     from grpo_accel import GRPOLoss, GRPOTrainer
     from grpo_accel.rewards import RewardSet, answer_match
     from grpo_accel.rollout.collector import GRPOCollector
@@ -180,9 +188,17 @@ def test_a_collector_split_for_another_process_count_is_refused(tokenizer, tiny_
 
     engine = EmbeddedEngine(tiny_model, tokenizer, max_new_tokens=4)
     rewards = RewardSet({"answer_match": answer_match})
-    collector = GRPOCollector(engine, tokenizer, addition_rows(4)[0], rewards, prompts_per_batch=4, group_size=2,
-                              rank=1, world_size=2)
-    with pytest.raises(ValueError, match=r"collector.world_size=2: the accelerator runs 1 processes; "
-                                         r"build the collector with world_size=1"):
-        GRPOTrainer(collector=collector, total_frames=8, loss_module=GRPOLoss(tiny_model),
-                    optimizer=torch.optim.AdamW(tiny_model.parameters()), weight_sync_sender=EmbeddedWeightSync(engine))
+
+    def trainer(layout, rank):
+        collector = GRPOCollector(engine, tokenizer, addition_rows(4)[0], rewards, layout=layout, rank=rank)
+        return GRPOTrainer(collector=collector, total_frames=8, loss_module=GRPOLoss(tiny_model),
+                           optimizer=torch.optim.AdamW(tiny_model.parameters()), weight_sync_sender=EmbeddedWeightSync(engine))
+
+    with pytest.raises(ValueError, match=r"collector.layout.processes=2: the accelerator runs 1 processes; build the "
+                                         r"BatchLayout with processes=accelerator.num_processes"):
+        trainer(BatchLayout(4, 2, processes=2), rank=1)
+    with pytest.raises(ValueError, match=r"GRPOCollector: rank=1 is not one of the layout's 1 processes"):
+        trainer(BatchLayout(4, 2), rank=1)
+    with pytest.raises(ValueError, match=r"GRPOTrainer: collector=.*pass a grpo_accel.contracts.Collector"):
+        GRPOTrainer(collector=[], total_frames=8, loss_module=GRPOLoss(tiny_model),
+                    optimizer=torch.optim.AdamW(tiny_model.parameters()))

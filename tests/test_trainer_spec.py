@@ -7,9 +7,10 @@ import time
 import pytest
 import torch
 
-from grpo_accel import batch as K
-from grpo_accel.reporting.evaluation import Evaluator
+from grpo_accel import batch
 from grpo_accel.hooks import STAGES, HookError
+from grpo_accel.layout import BatchLayout
+from grpo_accel.reporting.evaluation import Evaluator
 from grpo_accel.rewards import RewardSet, answer_match, format_match
 from grpo_accel.rollout.collector import GRPOCollector
 from grpo_accel.rollout.embedded import EmbeddedEngine
@@ -126,7 +127,7 @@ def _async_trainer(tokenizer, **kw):
     model = build_tiny_model(tokenizer, seed=0)
     engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_new_tokens=4)
     rewards = RewardSet({"answer_match": answer_match, "format_match": format_match}, {"format_match": 0.2})
-    collector = GRPOCollector(engine, tokenizer, addition_rows(4)[0], rewards, prompts_per_batch=4, group_size=4)
+    collector = GRPOCollector(engine, tokenizer, addition_rows(4)[0], rewards, layout=BatchLayout(4, 4))
     from trainer_utils import RecordingLoss
 
     args = dict(collector=collector, total_frames=16 * 6, loss_module=RecordingLoss(model),
@@ -172,11 +173,11 @@ def test_dynamic_sampling_refills_tied_groups(tokenizer, tiny_model):
     engine = EmbeddedEngine(tiny_model, tokenizer, max_new_tokens=3)
     rewards = RewardSet({"answer_match": answer_match})  # almost always 0 for a random model: tied groups
     asked = []
-    collector = GRPOCollector(engine, tokenizer, addition_rows(4)[0], rewards, prompts_per_batch=4, group_size=8,
+    collector = GRPOCollector(engine, tokenizer, addition_rows(4)[0], rewards, layout=BatchLayout(4, 8),
                               dynamic_sampling=True, max_extra_rounds=3, sync_any=lambda f: asked.append(f) or f)
     td = collector.collect()
     assert td.shape == (32,) and collector.batches == 1 + len([f for f in asked if f])
-    groups = td[K.REWARD].view(4, 8)
+    groups = td[batch.REWARD].view(4, 8)
     informative = int((groups.std(-1) > 0).sum())
     assert 0 < informative and (groups.std(-1) > 0)[:informative].all(), "informative groups come first"
     dropped = float(td["stats", "dropped_group_fraction"][0])
@@ -201,5 +202,79 @@ def test_evaluation_hook_logs_greedy_and_pass_at_k(tokenizer, tiny_model):
     assert {"eval/answer_match/greedy_mean", "eval/answer_match/pass@4", "eval/format_match/pass@4"} <= keys
     again = evaluator.evaluate()
     assert again == evaluator.history[-1], "greedy and keyed sampling make evaluation deterministic"
-    with pytest.raises(ValueError, match="no held-out rows"):
+    with pytest.raises(ValueError, match="Evaluator: rows is empty; pass the held-out rows"):
         Evaluator(trainer.collector.engine, tokenizer, [], rewards, every=1)
+
+
+def test_parts_are_checked_against_their_contracts_once(tokenizer, tiny_model):
+    """grpo_accel/contracts.py: a loss or stepper that is not one of its contracts is refused, naming the contract;
+    torchrl's duck types are wrapped once: a logger with only log_scalar gets every scalar, and a sender with only
+    update_weights is called for every push."""
+    class Scalars:  # torchrl's Logger interface, nothing more
+        def __init__(self):
+            self.logged = []
+
+        def log_scalar(self, name, value, step=None):
+            self.logged.append((name, step))
+
+    class Pushes:
+        calls = 0
+
+        def update_weights(self):
+            Pushes.calls += 1
+
+    scalars = Scalars()
+    trainer = make_trainer(tokenizer, tiny_model, logger=scalars, weight_sync_sender=Pushes())
+    trainer.train()
+    assert ("train/reward_mean", 3) in scalars.logged and Pushes.calls == trainer.weight_version == 3
+    with pytest.raises(ValueError, match=r"loss_module=.*subclasses grpo_accel.contracts.LossModule"):
+        make_trainer(tokenizer, tiny_model, loss_module=torch.nn.Linear(2, 2))
+
+    class Stepper:  # the right methods, but not the contract
+        optimizer = torch.optim.SGD(tiny_model.parameters(), lr=0.1)
+
+    with pytest.raises(ValueError, match=r"optimization_stepper=.*subclass grpo_accel.contracts.OptimizationStepper"):
+        make_trainer(tokenizer, tiny_model, optimizer=None, optimization_stepper=Stepper())
+
+
+def test_a_collector_of_another_process_is_refused():
+    """Under several processes each collector must hold its own process's share (explicit rank, checked)."""
+    from types import SimpleNamespace
+
+    from grpo_accel.trainer_args import check_collector
+
+    collector = SimpleNamespace(layout=BatchLayout(4, 2, processes=2), rank=0)
+    check_collector(collector, SimpleNamespace(num_processes=2, process_index=0))
+    with pytest.raises(ValueError, match=r"collector.rank=0: this is process 1; build the collector with "
+                                         r"rank=accelerator.process_index"):
+        check_collector(collector, SimpleNamespace(num_processes=2, process_index=1))
+
+
+def test_an_engine_of_ones_own_plugs_in_through_the_contract(tokenizer, tiny_model):
+    """An engine written from grpo_accel/contracts.py alone (generate, pad_id, max_new_tokens; its rollout made by
+    batch.make_rollout) is collected from, scored and trained on like the built-in ones."""
+    from grpo_accel.contracts import RolloutEngine
+    from grpo_accel.loss import GRPOLoss
+    from grpo_accel.trainer import GRPOTrainer
+
+    digits = [tokenizer.convert_tokens_to_ids(d) for d in "0123456789"]
+
+    class Guess(RolloutEngine):
+        """Answers every prompt with a random digit and EOS; logprob log(1/10) for each."""
+        pad_id, max_new_tokens = tokenizer.pad_token_id, 2
+
+        def generate(self, prompt_ids, group_size, seeds=None, greedy=False):
+            rows = [p for p in prompt_ids for _ in range(group_size)]
+            picks = torch.randint(0, 10, (len(rows),)).tolist()
+            completions = [[digits[i], tokenizer.eos_token_id] for i in picks]
+            return batch.make_rollout(prompts=rows, completions=completions, engine_logprobs=[[-2.3, 0.0]] * len(rows),
+                                      finish_reason=[batch.FINISH_STOP] * len(rows),
+                                      weight_version=[self.weight_version] * len(rows), pad_id=self.pad_id)
+
+    rewards = RewardSet({"answer_match": answer_match})
+    collector = GRPOCollector(Guess(), tokenizer, addition_rows(4)[0], rewards, layout=BatchLayout(4, 4))
+    trainer = GRPOTrainer(collector=collector, total_frames=32, loss_module=GRPOLoss(tiny_model),
+                          optimizer=torch.optim.AdamW(tiny_model.parameters()), empty_replay_buffer_on_weight_update=True)
+    trainer.train()
+    assert trainer.iterations == 2 and trainer.optim_steps == 2 and "train/loss" in trainer.history[-1]
+    collector.close()  # the contract's defaults: nothing to release

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from grpo_accel import batch as K
+from grpo_accel import batch
 from grpo_accel.rewards import RewardError, RewardSet
 from launching import ROOT, run_in_group
 
@@ -144,11 +144,11 @@ def two_stop_model(tmp_path_factory, tokenizer):
 
 def _assert_stops_at_either(td, stops):
     n_stopped = 0
-    for ids, mask, reason in zip(td[K.COMPLETION_IDS], td[K.COMPLETION_MASK], td[K.FINISH_REASON]):
+    for ids, mask, reason in zip(td[batch.COMPLETION_IDS], td[batch.COMPLETION_MASK], td[batch.FINISH_REASON]):
         kept = ids[mask.bool()].tolist()
         inside = [i for i, t in enumerate(kept) if t in stops]
         assert inside in ([], [len(kept) - 1]), f"a stop id inside the completion: {kept}"
-        assert (int(reason) == K.FINISH_STOP) == bool(inside)
+        assert (int(reason) == batch.FINISH_STOP) == bool(inside)
         n_stopped += kept[-1] == stops[1] if kept else 0
     assert n_stopped > 0, "some completions end on the second stop id"
 
@@ -177,7 +177,7 @@ def test_sglang_requests_name_the_models_stop_ids(two_stop_model, tokenizer, ser
     url = servers.get(folder, "--deterministic")
     model = AutoModelForCausalLM.from_pretrained(folder)
     engine = SGLangEngine([url], tokenizer, max_new_tokens=12,
-                          stop_token_ids=K.stop_token_ids(tokenizer, model.generation_config))
+                          stop_token_ids=batch.stop_token_ids(tokenizer, model.generation_config))
     td = engine.generate([tokenizer("1+2")["input_ids"], tokenizer("3+4")["input_ids"]], 8, seeds=[0, 1])
     _assert_stops_at_either(td, (tokenizer.eos_token_id, stop))
     sent = next(body for path, body in server_state(url)["requests"] if path == "/generate")
@@ -196,10 +196,10 @@ def test_with_pad_equal_to_eos_the_stop_trains_once_and_padding_never(tokenizer)
     with torch.no_grad():
         model.lm_head.weight[tok.eos_token_id] += 0.4 * model.lm_head.weight.norm(dim=1).mean()
     td = EmbeddedEngine(model, tok, max_new_tokens=10).generate([tok("1+2")["input_ids"]], 8, seeds=[3])
-    for ids, mask in zip(td[K.COMPLETION_IDS], td[K.COMPLETION_MASK]):
+    for ids, mask in zip(td[batch.COMPLETION_IDS], td[batch.COMPLETION_MASK]):
         eos_in_mask = int(((ids == tok.eos_token_id) & mask.bool()).sum())
         assert eos_in_mask == int(ids[mask.bool()][-1] == tok.eos_token_id) <= 1
-    assert (td[K.FINISH_REASON] == K.FINISH_STOP).any() and (td[K.COMPLETION_MASK].sum(1) < 10).any()
+    assert (td[batch.FINISH_REASON] == batch.FINISH_STOP).any() and (td[batch.COMPLETION_MASK].sum(1) < 10).any()
 
 
 def test_under_accelerate_launch_q_our_line_is_the_last_and_the_exit_code_is_accelerates():
@@ -279,7 +279,7 @@ def test_the_shipped_deepspeed_files_are_found_from_any_folder(tmp_path, monkeyp
     the folder the run starts from: the DeepSpeed file is found from there too (and handed to Accelerate so)."""
     import os
 
-    from grpo_accel.distributed import preflight
+    from grpo_accel.deepspeed_config import preflight
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from grpo_accel.layout import BatchLayout
 from grpo_accel.lora import trainable_parameters
 from grpo_accel.loss import GRPOLoss
 from grpo_accel.rewards import RewardSet, answer_match, format_match
@@ -69,7 +70,7 @@ def make_trainer(tokenizer, model, *, prompts=4, group=4, lr=3e-3, loss_kwargs=N
     torch.manual_seed(0)
     engine = EmbeddedEngine(model, tokenizer, max_new_tokens=4)
     rewards = RewardSet({"answer_match": answer_match, "format_match": format_match}, {"format_match": 0.2})
-    collector = GRPOCollector(engine, tokenizer, addition_rows(4)[0], rewards, prompts_per_batch=prompts, group_size=group)
+    collector = GRPOCollector(engine, tokenizer, addition_rows(4)[0], rewards, layout=BatchLayout(prompts, group))
     loss = RecordingLoss(model, **(loss_kwargs or {}))
     args = dict(
         collector=collector, total_frames=prompts * group * 3, loss_module=loss,

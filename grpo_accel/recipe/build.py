@@ -1,176 +1,217 @@
-"""Builders that turn a :class:`~grpo_accel.recipe.schema.GRPOConfig` into components (used by launch/train.py)."""
+"""The recipe's wiring: a :class:`~grpo_accel.recipe.schema.GRPOConfig` becomes a ready :class:`GRPOTrainer`.
+
+    trainer = build_trainer(load_config("launch/configs/default.yaml"))
+    trainer.train()
+
+Everything that can be checked without a process group is checked first (the DeepSpeed file, the batch layout,
+where the run starts, the data, the rewards); the run's one :class:`~grpo_accel.layout.BatchLayout` is made here
+and handed to the collector, which the trainer reads it from. Models are built before the Accelerator: under
+ZeRO-3 that keeps ``zero.Init`` out, so every stage starts from the same weights (DeepSpeed partitions them in
+``prepare``).
+"""
 from __future__ import annotations
 
 import copy
-import functools
-import importlib
+import logging
 from pathlib import Path
 
+from grpo_accel.layout import BatchLayout
 from grpo_accel.recipe.checks import ConfigError
-from grpo_accel.recipe.rollout_schema import RewardConfig, RolloutConfig
-from grpo_accel.recipe.schema import DataConfig, GRPOConfig, ModelConfig
-from grpo_accel.data import load_rows, validate_rows
-from grpo_accel.layout import CONFIG_NAMES, BatchLayout
-from grpo_accel.rewards import BUILTIN_REWARDS, RewardSet, is_async_reward
-from grpo_accel.tasks import BUILTIN_TASKS
+from grpo_accel.recipe.schema import GRPOConfig
+
+log = logging.getLogger(__name__)
 
 
-def build_tokenizer_and_model(cfg: ModelConfig, seed: int = 0):
-    """(tokenizer, causal LM): the built-in tiny pair when ``name_or_path`` is None, else loaded from it."""
-    import torch
-
-    if cfg.name_or_path is None:
-        from grpo_accel.tasks.tiny import TinyModelSpec, build_char_tokenizer, build_tiny_model
-
-        tokenizer = build_char_tokenizer()
-        spec = TinyModelSpec(cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.intermediate_size)
-        return tokenizer, build_tiny_model(tokenizer, spec, seed=seed)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    key = f"model.name_or_path={cfg.name_or_path!r}"
-    local = Path(cfg.name_or_path).expanduser()
-    if local.exists():
-        if not (local / "config.json").is_file():
-            raise ConfigError(f"{key}: {local} has no config.json, so it is not a model folder; point it at a folder "
-                              "written by save_pretrained (or python -m grpo_accel.models smollm2-135m OUT).")
-    elif _looks_like_a_path(cfg.name_or_path):
-        raise ConfigError(f"{key}: no such folder (cwd {Path.cwd()}); point it at a model folder written by "
-                          "save_pretrained, e.g. python -m grpo_accel.models smollm2-135m runs/smollm2-135m.")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, padding_side="left")
-    except (OSError, ValueError) as exc:
-        where = (f"{local} has no tokenizer files (tokenizer.json or tokenizer_config.json and its vocabulary); save "
-                 f"them beside the model with tokenizer.save_pretrained('{local}')") if local.exists() else (
-                 "it is no folder here, and loading it as a Hugging Face hub id failed; use a model folder, or a "
-                 "hub id on a machine that reaches the hub")
-        raise ConfigError(f"{key}: {where} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}).") from exc
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, dtype=getattr(torch, cfg.dtype))
-    rows = model.get_input_embeddings().num_embeddings
-    if len(tokenizer) == 0 or not tokenizer("1+2=")["input_ids"]:
-        raise ConfigError(f"{key}: its tokenizer is empty (it encodes text to no tokens); save the model's own "
-                          "tokenizer beside it with tokenizer.save_pretrained.")
-    if len(tokenizer) > rows:
-        raise ConfigError(f"{key}: the tokenizer has {len(tokenizer)} tokens but the model embeds only {rows}; "
-                          "they do not belong together: save the model's own tokenizer beside it.")
-    return tokenizer, model
+# What the parts' messages call the settings they name, as the config spells them (grpo_accel.rules.setting): a part
+# built by the recipe says "rollout.max_new_tokens" where, built by hand, it says "max_new_tokens".
+LAYOUT_NAMES = {"prompts": "rollout.prompts_per_batch", "group_size": "rollout.group_size",
+                "processes": "the launch's --num_processes", "micro_batch": "trainer.micro_batch_completions",
+                "accumulation": "trainer.gradient_accumulation_steps", "sampled": "trainer.optim_steps_per_batch"}
+COLLECTOR_NAMES = {key: f"rollout.{key}" for key in ("max_new_tokens", "max_prompt_tokens", "environment")}
+SGLANG_NAMES = {"api_key": "rollout.api_key", "admin_api_key": "weight_sync.admin_api_key",
+                "health_timeout_s": "rollout.health_timeout_s", "urls": "rollout.urls",
+                "master_address": "weight_sync.master_address", "master_port": "weight_sync.master_port",
+                "timeout_s": "weight_sync.timeout_s"}
 
 
-def build_policy(cfg: ModelConfig, with_reference: bool, seed: int = 0):
-    """(tokenizer, policy, reference or None). With ``lora.r`` the policy is the model with a fresh LoRA adapter
-    and the reference is that model with its adapter off; otherwise the reference is a frozen copy."""
-    tokenizer, model = build_tokenizer_and_model(cfg, seed=seed)
-    reference = copy.deepcopy(model) if with_reference and not cfg.lora.r else None
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if cfg.lora.r:
-        from grpo_accel.lora import BasePolicy, apply_lora
-
-        model = apply_lora(model, cfg.lora, seed=seed)
-        reference = BasePolicy(model) if with_reference else None
-    return tokenizer, model, reference
-
-
-def _looks_like_a_path(name: str) -> bool:
-    """Hub ids are "name" or "org/name"; anything else that does not exist here was meant as a folder."""
-    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name or name.endswith("/")
-
-
-def build_rows(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
-    """(training rows, held-out rows), validated; a built-in task when ``path`` is None."""
-    if cfg.path is None:
-        train, held_out = _builtin_task(cfg)
-        train = validate_rows(train, "prompt", f"built-in {cfg.task} task")
-    else:
-        train = load_rows(cfg.path, name=cfg.name, split=cfg.split, rename=cfg.rename_columns)
-        train, held_out = validate_rows(train, cfg.prompt_field, f"data.path={cfg.path!r}"), []
-    if cfg.eval_path is not None or cfg.eval_split is not None:
-        path, key = (cfg.eval_path, "data.eval_path") if cfg.eval_path is not None else (cfg.path, "data.path")
-        if path is None:
-            raise ConfigError(f"data.eval_split={cfg.eval_split!r}: the built-in task has no splits; set data.holdout.")
-        split = cfg.eval_split or "train"
-        held_out = load_rows(path, name=cfg.name, split=split, rename=cfg.rename_columns, key=key)
-        held_out = validate_rows(held_out, cfg.prompt_field, f"{key}={path!r} (split {split!r})")
-    return train, held_out
-
-
-def _builtin_task(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
-    module, _, name = BUILTIN_TASKS[cfg.task].partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)(cfg.max_operand, cfg.holdout)
-    except ValueError as exc:  # the task's own check of max_operand / holdout, naming the key
-        raise ConfigError(str(exc)) from exc
-
-
-def resolve_reward(name: str):
-    """A built-in reward function by name, or ``package.module:function``."""
-    if name in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[name]
-    return import_named(name, f"rewards name={name!r}", sorted(BUILTIN_REWARDS), "function")
-
-
-def import_named(name: str, key: str, builtins: list[str], kind: str):
-    """The object that ``package.module:attr`` names; errors start with ``key`` and list the ``builtins``."""
-    module, sep, attr = name.partition(":")
-    if not sep:
-        raise ConfigError(f"{key}: not a built-in {builtins}; for your own {kind} write 'package.module:{kind}'.")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"{key}: cannot import it ({exc}); check the module path and {kind} name (modules in the "
-                          "directory the run starts from are importable).") from exc
-
-
-def build_rewards(cfgs: list[RewardConfig]) -> RewardSet:
-    """The set of ``rewards`` (each entry: a function, a reward model or a reward service, with its limits)."""
-    return RewardSet({c.name: build_reward(c) for c in cfgs}, {c.name: c.weight for c in cfgs},
-                     {c.name: c.normalize for c in cfgs})
-
-
-def build_reward(c: RewardConfig):
-    """One reward entry as a reward function (see :mod:`grpo_accel.reward_sources`)."""
-    from grpo_accel import reward_sources as rs
-
-    if c.name == "reward_model":
-        return rs.RewardModel(c.name, c.path, batch_size=c.batch_size, dtype=c.dtype, **c.kwargs)
-    if c.name == "remote":
-        return rs.RemoteReward(c.name, c.url, timeout_s=c.timeout_s or 30.0, retries=c.retries,
-                               batch_size=c.batch_size, api_key=c.api_key, fallback=c.fallback)
-    fn = resolve_reward(c.name)
-    fn = functools.partial(fn, **c.kwargs) if c.kwargs else fn
-    if is_async_reward(fn):
-        return rs.AsyncReward(c.name, fn, timeout_s=c.timeout_s, fallback=c.fallback)
-    if c.processes:
-        return rs.TimedReward(c.name, fn, processes=c.processes, timeout_s=c.timeout_s or 10.0, fallback=c.fallback)
-    return fn
-
-
-def build_environment(rollout: RolloutConfig, data: DataConfig):
-    """The factory of multi-turn environments that ``rollout.environment`` names (a callable returning a fresh
-    :class:`~grpo_accel.rollout.episodes.Environment` per episode), or None (single turn)."""
-    name = rollout.environment
-    if name is None:
-        return None
-    if name == "calculator":
-        from grpo_accel.tasks.calculator import calculator_environment
-
-        return calculator_environment(data.system_prompt, rollout.tool_timeout_s, data.prompt_field)
-    factory = import_named(name, f"rollout.environment={name!r}", ["calculator"], "factory")
-    if not callable(factory):
-        raise ConfigError(f"rollout.environment={name!r} is a {type(factory).__name__}, not a callable that returns "
-                          "an Environment.")
-    return factory
-
-
-def batch_layout(cfg: GRPOConfig, num_processes: int) -> BatchLayout:
-    """How each collected batch splits over ``num_processes`` (``micro_batch_completions: auto`` resolved);
-    raises naming the setting to change when it does not."""
+def batch_layout(cfg: GRPOConfig, num_processes: int) -> tuple[BatchLayout, int]:
+    """The run's batch layout over ``num_processes`` and its micro-batch size (``micro_batch_completions``, "auto"
+    resolved), checked against accumulation and sampled micro-batches: a ConfigError names the setting to change."""
     r, t = cfg.rollout, cfg.trainer
-    layout = BatchLayout(r.prompts_per_batch, r.group_size, num_processes, t.micro_batch_completions,
-                         t.gradient_accumulation_steps, t.num_epochs, t.optim_steps_per_batch, CONFIG_NAMES)
     try:
-        layout.check()
+        layout = BatchLayout(r.prompts_per_batch, r.group_size, num_processes, LAYOUT_NAMES)
+        ga = t.gradient_accumulation_steps
+        micro_batch = layout.auto_micro_batch(ga) if t.micro_batch_completions == "auto" else t.micro_batch_completions
+        layout.check_steps(micro_batch, ga, t.optim_steps_per_batch)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    return layout
+    return layout, micro_batch
+
+
+def build_trainer(cfg: GRPOConfig):
+    """The trainer of ``cfg`` with its parts, hooks and checkpoint folder; call ``train()`` on it."""
+    import torch
+
+    from grpo_accel.checkpoint import Checkpoint, CheckpointRotation
+    from grpo_accel.deepspeed_config import preflight
+    from grpo_accel.distributed import first_process, launch_world_size, make_accelerator
+    from grpo_accel.lora import trainable_parameters
+    from grpo_accel.loss import GRPOLoss
+    from grpo_accel.recipe.loading import to_dict
+    from grpo_accel.recipe.parts import build_environment, build_policy, build_rewards, build_rows
+    from grpo_accel.recipe.run_folder import data_fingerprints, start_point
+    from grpo_accel.reporting.tracking import TensorBoardLogger
+    from grpo_accel.rollout.collector import GRPOCollector
+    from grpo_accel.trainer import GRPOTrainer
+
+    t, r, lc, c = cfg.trainer, cfg.rollout, cfg.loss, cfg.checkpoint
+    preflight()
+    layout, micro_batch = batch_layout(cfg, launch_world_size())
+    if t.total_frames % layout.completions:
+        rounded = -(-t.total_frames // layout.completions) * layout.completions
+        log.warning("trainer.total_frames=%d is rounded up to %d: batches are collected whole (%d prompts x %d = %d "
+                    "completions)", t.total_frames, rounded, layout.prompts, layout.group_size, layout.completions)
+        t.total_frames = rounded
+    checkpoint = Checkpoint(Path(cfg.output_dir) / "checkpoints", resume=c.resume, names={"resume": "checkpoint.resume"})
+    start_point(cfg, checkpoint, first_process())
+    fingerprints = data_fingerprints(cfg.data)  # read once: every checkpoint records them
+    rows, held_out = build_rows(cfg.data)
+    if cfg.eval.every_iterations and not held_out:
+        raise ConfigError(f"eval.every_iterations={cfg.eval.every_iterations}: there are no held-out rows; set "
+                          "data.holdout (built-in task), data.eval_path or data.eval_split, or "
+                          "eval.every_iterations=0.")
+    rewards = build_rewards(cfg.rewards)  # a bad reward module or environment is refused before any process group
+    environment = build_environment(r, cfg.data)
+    tokenizer, model, reference = build_policy(cfg.model, with_reference=lc.kl_coef > 0, seed=t.seed)
+    accelerator = make_accelerator(t.gradient_accumulation_steps, t.mixed_precision)
+    log.info("process group ready: rank %d of %d (%s)", accelerator.process_index, accelerator.num_processes,
+             accelerator.distributed_type.name)
+    if accelerator.is_main_process:  # the start-up block once, not once per process
+        log.info(layout.describe(micro_batch, t.gradient_accumulation_steps, t.num_epochs, t.optim_steps_per_batch))
+    engine, sender = build_engine_and_sender(cfg, model, tokenizer, accelerator)
+    collector = GRPOCollector(
+        engine, tokenizer, rows, rewards, layout=layout, rank=accelerator.process_index,
+        prompt_field=cfg.data.prompt_field, max_prompt_tokens=r.max_prompt_tokens, system_prompt=cfg.data.system_prompt,
+        scale_advantages=lc.scale_advantages, leave_one_out=lc.leave_one_out, seed=t.seed,
+        dynamic_sampling=r.dynamic_sampling, max_extra_rounds=r.max_extra_rounds,
+        environment=environment, max_turns=r.max_turns, max_episode_tokens=r.max_episode_tokens,
+        names=COLLECTOR_NAMES,
+    )
+    loss = GRPOLoss(
+        model, reference, clip_epsilon=(lc.clip_eps_low, lc.clip_eps_high), kl_coef=lc.kl_coef,
+        kl_estimator=lc.kl_estimator, aggregation=lc.aggregation, max_completion_tokens=r.max_completion_tokens,
+        importance_level=lc.importance_level, tis_cap=lc.tis_cap, temperature=r.temperature, packing=lc.packing,
+    )
+    o = cfg.optim
+    # fused: one kernel for all parameters (TRL's default too), 4x faster on the tiny model
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=o.lr, betas=tuple(o.betas),
+                                  weight_decay=o.weight_decay, fused=True)
+    logger = TensorBoardLogger(Path(cfg.output_dir) / "tensorboard") if accelerator.is_main_process else None
+    trainer = GRPOTrainer(
+        collector=collector, total_frames=t.total_frames, optim_steps_per_batch=t.optim_steps_per_batch,
+        loss_module=loss, optimizer=optimizer, weight_sync_sender=sender,
+        weight_update_frequency=t.weight_update_frequency, async_collection=t.async_collection,
+        max_staleness=t.max_staleness, empty_replay_buffer_on_weight_update=t.empty_replay_buffer_on_weight_update,
+        batch_size=micro_batch, gradient_accumulation_steps=t.gradient_accumulation_steps,
+        mixed_precision=t.mixed_precision != "no",
+        autocast_dtype=torch.float16 if t.mixed_precision == "fp16" else torch.bfloat16,
+        logger=logger, clip_norm=o.clip_norm, progress_bar=t.progress_bar, seed=t.seed,
+        log_interval=t.log_interval, num_epochs=t.num_epochs, log_timings=t.log_timings,
+        log_rewards=t.log_rewards, log_kl=t.log_kl, log_samples=t.log_samples, accelerator=accelerator,
+        checkpoint=checkpoint, save_trainer_interval=c.interval_frames, save_trainer_file=c.legacy_file,
+        checkpoint_rotation=CheckpointRotation(c.keep_last, c.keep_best, c.best_metric, c.best_mode),
+        checkpoint_metadata=lambda: {"config": to_dict(cfg), "data": fingerprints},
+    )
+    if r.colocate:  # the servers free their GPU memory for the optimiser steps; the next push takes it back
+        trainer.register_op("pre_optim", lambda _: sender.release_memory(), "release_colocated_servers")
+    if cfg.eval.every_iterations:
+        from grpo_accel.reporting.evaluation import Evaluator
+
+        evaluator = Evaluator(engine, tokenizer, held_out, rewards, every=cfg.eval.every_iterations, k=cfg.eval.k,
+                              prompt_field=cfg.data.prompt_field, system_prompt=cfg.data.system_prompt,
+                              success_threshold=cfg.eval.success_threshold, episodes=collector.episodes)
+        trainer.register_op("pre_train", evaluator.before_training, "evaluate_untrained")
+        trainer.register_op("post_iteration", evaluator, "evaluate")
+    return trainer
+
+
+def build_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
+    """The rollout engine and the weight-sync sender that keeps it current."""
+    if cfg.rollout.backend == "sglang":
+        return _sglang_engine_and_sender(cfg, model, tokenizer, accelerator)
+    from grpo_accel.distributed import gathered_parameters
+    from grpo_accel.rollout.embedded import EmbeddedEngine
+    from grpo_accel.weight_sync.embedded import EmbeddedWeightSync
+
+    r = cfg.rollout
+    # Async collection generates while the policy is updated, so the engine needs its own copy of the weights.
+    engine_model = copy.deepcopy(model) if cfg.trainer.async_collection else model
+    engine = EmbeddedEngine(engine_model, tokenizer, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                            top_p=r.top_p, top_k=r.top_k, decoder=r.decoder, worker=r.embedded_worker,
+                            gather=(lambda: gathered_parameters(model.parameters())) if r.zero3_gather_full else None)
+    return engine, EmbeddedWeightSync(engine, source=model)
+
+
+def _sglang_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
+    import torch
+
+    from grpo_accel.batch import stop_token_ids
+    from grpo_accel.sglang.engine import SGLangEngine
+
+    r, w = cfg.rollout, cfg.weight_sync
+    engine = SGLangEngine(r.urls, tokenizer, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                          top_p=r.top_p, top_k=r.top_k, api_key=r.api_key, health_timeout_s=r.health_timeout_s,
+                          retries=r.request_retries, request_size=r.request_size, request_timeout_s=r.request_timeout_s,
+                          stop_token_ids=stop_token_ids(tokenizer, model.generation_config), names=SGLANG_NAMES)
+    if accelerator.is_main_process:
+        log.info(engine.description)
+    saving = [i.url for i in engine.servers if not i.memory_saver]
+    if r.colocate and saving:
+        raise ConfigError(f"rollout.colocate=true: {', '.join(saving)} runs without --enable-memory-saver, so it "
+                          "cannot free its GPU memory for training; start it with that flag, or set "
+                          "rollout.colocate=false.")
+    common = dict(api_key=r.api_key, admin_api_key=w.admin_api_key, bucket_mb=w.bucket_mb,
+                  dtype=getattr(torch, w.dtype), max_attempts=w.max_attempts, verify_tensors=w.verify_tensors, timeout_s=w.timeout_s,
+                  pause_mode=w.pause_mode, names=SGLANG_NAMES)
+    if w.method == "distributed":
+        from grpo_accel.sglang.from_distributed import DistributedWeightSender
+
+        sender = DistributedWeightSender(accelerator, model, r.urls, master_address=w.master_address,
+                                         master_port=w.master_port, backend=w.backend, layout=w.layout, **common)
+    elif w.method == "disk":
+        from grpo_accel.sglang.from_disk import DiskWeightSender
+
+        sender = DiskWeightSender(accelerator, model, r.urls, w.disk_path or Path(cfg.output_dir) / "weights", **common)
+    else:
+        from grpo_accel.sglang.from_tensor import TensorWeightSender
+
+        sender = TensorWeightSender(accelerator, model, r.urls, **common)
+    return engine, sender
+
+
+def summarize(trainer, wall_s: float) -> dict:
+    """The run's numbers for ``summary.json``: processes, ZeRO, memory, the weight pushes, the reward's course."""
+    import torch
+
+    from grpo_accel.distributed import local_parameter_fraction, optimizer_state_bytes, trainable_elements, zero_stage
+
+    rewards = [h["train/reward_mean"] for h in trainer.history if "train/reward_mean" in h]
+    k = min(10, len(rewards))
+    acc, sender = trainer.accelerator, trainer.weight_sync_sender
+    return {
+        "num_processes": acc.num_processes,
+        "torch_threads": torch.get_num_threads(),
+        "distributed_type": acc.distributed_type.name,
+        "zero_stage": zero_stage(acc),
+        "param_fraction_on_rank0": round(local_parameter_fraction(trainer.loss_module), 4),
+        "trainable_parameters": trainable_elements(trainer.loss_module),
+        "optimizer_state_bytes_rank0": optimizer_state_bytes(trainer.optimizer),
+        "iterations": len(trainer.history),
+        "weight_sync_s": 0.0, "weight_sync_peak_extra_bytes": 0, **(sender.stats() if sender is not None else {}),
+        "final_iteration": trainer.iterations,
+        "weight_version": trainer.weight_version,
+        "stop_reason": trainer.stop_reason,
+        "reward_first10_mean": sum(rewards[:k]) / max(k, 1),
+        "reward_last10_mean": sum(rewards[-k:]) / max(k, 1),
+        "wall_time_s": round(wall_s, 1),
+    }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from grpo_accel.rules import check, require
+from grpo_accel.rules import check, check_choice as choice, require
 
 
 class ConfigError(ValueError):
@@ -23,4 +23,4 @@ def check_rules(section: str, values: Any, **rules: str) -> None:
 
 
 def check_choice(key: str, value: Any, options) -> None:
-    check_key(value in options, key, value, f"must be one of {list(options)}.")
+    choice(key, value, options, ConfigError)

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from grpo_accel import batch as K
+from grpo_accel import batch
 from grpo_accel.data import encode_prompts
 from grpo_accel.reporting.metrics import episode_columns, episode_scalars
 from grpo_accel.rewards import RewardSet
-from grpo_accel.rules import check
 from grpo_accel.rollout.collector import score_rollout
+from grpo_accel.rules import check
 
 
 class Evaluator:
@@ -30,7 +30,7 @@ class Evaluator:
                  prompt_field: str = "prompt", system_prompt: str | None = None, success_threshold: float = 1.0,
                  seed: int = 1_000_003, episodes=None) -> None:
         if not rows:
-            raise ValueError("Evaluator: no held-out rows; set data.holdout (built-in task) or data.eval_path.")
+            raise ValueError("Evaluator: rows is empty; pass the held-out rows to evaluate on.")
         check("positive_count", "every", every, owner="Evaluator: ")
         check("positive_count", "k", k, owner="Evaluator: ")
         self.engine, self.tokenizer, self.rows, self.rewards = engine, tokenizer, rows, rewards
@@ -62,12 +62,12 @@ class Evaluator:
         n = len(self.rows)
         greedy_scores, greedy = self._rollout(1, [0] * n, greedy=True)
         sampled_scores, _ = self._rollout(self.k, [self.seed + i for i in range(n)])
-        out = {"eval/reward_greedy_mean": float(greedy_scores[K.REWARD].mean())}
+        out = {"eval/reward_greedy_mean": float(greedy_scores[batch.REWARD].mean())}
         for name in self.rewards.names:
-            per_prompt = sampled_scores[K.REWARDS, name].view(n, self.k)  # [P, k]
-            out[f"eval/{name}/greedy_mean"] = float(greedy_scores[K.REWARDS, name].mean())
+            per_prompt = sampled_scores[batch.REWARDS, name].view(n, self.k)  # [P, k]
+            out[f"eval/{name}/greedy_mean"] = float(greedy_scores[batch.REWARDS, name].mean())
             out[f"eval/{name}/pass@{self.k}"] = float((per_prompt >= self.success_threshold).any(-1).float().mean())
-        if K.EPISODE in greedy.keys():
+        if batch.EPISODE in greedy.keys():
             out |= {f"eval/{key}": value for key, value in episode_scalars(episode_columns(greedy)).items()}
         return out
 

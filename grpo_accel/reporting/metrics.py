@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from grpo_accel import batch as K
+from grpo_accel import batch
 
 
 def mean_over_processes(accelerator, stats: dict[str, float]) -> dict[str, float]:
@@ -21,16 +21,16 @@ def rollout_scalars(accelerator, rollout: TensorDict, with_rewards: bool = True)
     push landed in while they were generated: their share, and the most versions one row spans), the collector's
     ``stats`` (time_<phase> seconds -> time/<phase>) and, for multi-turn episodes, :func:`episode_scalars`, over
     all processes."""
-    keys = [K.REWARD] + [(K.REWARDS, name) for name in rollout[K.REWARDS].keys()]
+    keys = [batch.REWARD] + [(batch.REWARDS, name) for name in rollout[batch.REWARDS].keys()]
     # e.g. dynamic sampling's "stats": one value per row, averaged
     stats = list(rollout["stats"].keys()) if "stats" in rollout.keys() else []
     columns = [rollout[k].float() for k in keys] + [
-        rollout[K.COMPLETION_MASK].sum(-1).float(),
-        (rollout[K.FINISH_REASON] == K.FINISH_LENGTH).float(),
-        rollout[K.WEIGHT_VERSION].float(),
-        (rollout.get(K.WEIGHT_VERSION_LAST, rollout[K.WEIGHT_VERSION]) - rollout[K.WEIGHT_VERSION]).float(),
+        rollout[batch.COMPLETION_MASK].sum(-1).float(),
+        (rollout[batch.FINISH_REASON] == batch.FINISH_LENGTH).float(),
+        rollout[batch.WEIGHT_VERSION].float(),
+        (rollout.get(batch.WEIGHT_VERSION_LAST, rollout[batch.WEIGHT_VERSION]) - rollout[batch.WEIGHT_VERSION]).float(),
     ] + [rollout["stats", name].float() for name in stats]
-    if K.EPISODE in rollout.keys():
+    if batch.EPISODE in rollout.keys():
         columns += list(episode_columns(rollout).unbind(1))
     every = accelerator.gather(torch.stack(columns, dim=1).to(accelerator.device))  # [n * processes, k]: one gather
     n = len(keys)
@@ -41,7 +41,7 @@ def rollout_scalars(accelerator, rollout: TensorDict, with_rewards: bool = True)
         "train/partial_rollout_fraction": float((every[:, n + 3] > 0).float().mean()),
         "train/weight_version_spread_max": float(every[:, n + 3].max()),
     }
-    if K.EPISODE in rollout.keys():  # multi-turn: the last columns
+    if batch.EPISODE in rollout.keys():  # multi-turn: the last columns
         out |= {f"train/{k}": v for k, v in episode_scalars(every[:, -len(EPISODE_COLUMNS):]).items()}
     for j, name in enumerate(stats, start=n + 4):  # the collector's seconds per phase go under time/
         out[f"time/{name[5:]}" if name.startswith("time_") else f"train/{name}"] = float(every[:, j].mean())
@@ -63,9 +63,9 @@ EPISODE_COLUMNS = ("turns", "tool_calls", "tool_errors", "model_tokens", "tokens
 
 def episode_columns(rollout: TensorDict) -> torch.Tensor:  # -> [N, len(EPISODE_COLUMNS)] float32
     """Per-episode counts of a multi-turn rollout, in the order of ``EPISODE_COLUMNS``."""
-    ep = rollout[K.EPISODE]
-    return torch.stack([ep["turns"], ep["tool_calls"], ep["tool_errors"], K.loss_mask(rollout).sum(-1),
-                        rollout[K.COMPLETION_MASK].sum(-1)], dim=1).float()
+    ep = rollout[batch.EPISODE]
+    return torch.stack([ep["turns"], ep["tool_calls"], ep["tool_errors"], batch.loss_mask(rollout).sum(-1),
+                        rollout[batch.COMPLETION_MASK].sum(-1)], dim=1).float()
 
 
 def episode_scalars(columns: torch.Tensor) -> dict[str, float]:
@@ -82,14 +82,14 @@ def completion_samples(rollout: TensorDict, tokenizer, n: int) -> str:
     """``n`` rows of ``rollout`` from different groups as Markdown: reward, each reward function's value, the
     prompt as the model read it (special tokens shown) and the completion as the reward functions read it."""
     rows = range(0, rollout.shape[0], max(1, rollout.shape[0] // n))[:n]
-    names = list(rollout[K.REWARDS].keys())
+    names = list(rollout[batch.REWARDS].keys())
     parts = []
     for i in rows:
-        prompt = tokenizer.decode(rollout[K.PROMPT_IDS][i][rollout[K.PROMPT_MASK][i].bool()])
-        completion = tokenizer.decode(rollout[K.COMPLETION_IDS][i][rollout[K.COMPLETION_MASK][i].bool()],
+        prompt = tokenizer.decode(rollout[batch.PROMPT_IDS][i][rollout[batch.PROMPT_MASK][i].bool()])
+        completion = tokenizer.decode(rollout[batch.COMPLETION_IDS][i][rollout[batch.COMPLETION_MASK][i].bool()],
                                       skip_special_tokens=True)
-        terms = ", ".join(f"{name} {float(rollout[K.REWARDS, name][i]):.3g}" for name in names)
-        parts.append(f"**reward {float(rollout[K.REWARD][i]):.3g}** ({terms})\n\nprompt:\n\n{_code(prompt)}\n\n"
+        terms = ", ".join(f"{name} {float(rollout[batch.REWARDS, name][i]):.3g}" for name in names)
+        parts.append(f"**reward {float(rollout[batch.REWARD][i]):.3g}** ({terms})\n\nprompt:\n\n{_code(prompt)}\n\n"
                      f"completion:\n\n{_code(completion)}")
     return "\n\n---\n\n".join(parts)
 

@@ -1,7 +1,7 @@
 """What the trainer reports: phase timings, one scalar dict per logged iteration, completion samples as text and
 the progress (a bar on a terminal, a log line every ``PROGRESS_LINE_S`` seconds in a log file). The trainer
 calls :meth:`Reporter.log_iteration` once per iteration; the scalars go to the
-logger (any object with ``log_scalar(name, value, step)``; ``log_text`` and ``flush`` when it has them).
+logger (a :class:`~grpo_accel.contracts.Logger`).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Callable
 
 from tensordict import TensorDict
 
-from grpo_accel import batch as K
+from grpo_accel import batch
 from grpo_accel.reporting.metrics import completion_samples, mean_over_processes, rollout_scalars
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class Reporter:
 
     def advance(self, frames: int, rollout: TensorDict, seconds: float, done: int = 0) -> None:
         """``frames`` more collected (``done`` so far in all); the batch took ``seconds``."""
-        reward = f"{float(rollout[K.REWARD].mean()):.3f}"
+        reward = f"{float(rollout[batch.REWARD].mean()):.3f}"
         if self.bar is not None:  # one redraw per batch
             self.bar.set_postfix(reward=reward, step_s=f"{seconds:.2f}", refresh=False)
             self.bar.update(min(self.bar.total - self.bar.n, frames))
@@ -91,7 +91,7 @@ class Reporter:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-        if self.logger is not None and hasattr(self.logger, "flush"):
+        if self.logger is not None:
             self.logger.flush()
 
     def log_iteration(self, rollout: TensorDict, stats: dict[str, float], counters: dict[str, float], step: int,
@@ -130,6 +130,6 @@ class Reporter:
     def _log_samples(self, rollout: TensorDict, step: int) -> None:
         """A few of this batch's completions as text (main process's rows), when the logger takes text."""
         n = self.settings.log_samples
-        if (n and self.tokenizer is not None and hasattr(self.logger, "log_text")
+        if (n and self.tokenizer is not None and self.logger is not None
                 and self.accelerator.is_main_process and rollout.numel()):
             self.logger.log_text("samples", completion_samples(rollout, tokenizer=self.tokenizer, n=n), step)

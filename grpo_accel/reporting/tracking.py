@@ -1,10 +1,12 @@
-"""Metric loggers with torchrl's ``log_scalar(name, value, step)`` interface."""
+"""TensorBoard: the logger (a :class:`~grpo_accel.contracts.Logger`) and readers of what it wrote."""
 from __future__ import annotations
 
 from pathlib import Path
 
+from grpo_accel.contracts import Logger
 
-class TensorBoardLogger:
+
+class TensorBoardLogger(Logger):
     """Writes scalars as TensorBoard event files under ``log_dir`` (``tensorboard --logdir`` shows them).
 
     Example:

@@ -61,9 +61,9 @@ def staleness(accelerator, weight_version: int, rollout: TensorDict) -> float:
     """How many weight pushes ago the oldest row of this batch was generated, the most over all processes."""
     import torch
 
-    from grpo_accel import batch as K
+    from grpo_accel import batch
 
-    behind = torch.tensor([float(weight_version - int(rollout[K.WEIGHT_VERSION].min()))], device=accelerator.device)
+    behind = torch.tensor([float(weight_version - int(rollout[batch.WEIGHT_VERSION].min()))], device=accelerator.device)
     if accelerator.num_processes > 1:
         behind = accelerator.reduce(behind, reduction="max")
     return float(behind[0])

@@ -1,21 +1,22 @@
 """The collector: prompts from a dataset -> engine rollouts -> rewards -> group-relative advantages."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import time
-from typing import TYPE_CHECKING, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
 from tensordict import TensorDict
 
-from grpo_accel import batch as K
+from grpo_accel import batch
 from grpo_accel.advantages import group_advantages
+from grpo_accel.contracts import Collector, RolloutEngine
 from grpo_accel.data import DataError, Prompts, check_columns, encode_prompts
+from grpo_accel.distributed import any_process
 from grpo_accel.layout import BatchLayout
 from grpo_accel.rewards import EPISODE_FIELDS, PROVIDED_FIELDS, RewardSet
-from grpo_accel.rules import check
+from grpo_accel.rules import setting
 
 if TYPE_CHECKING:
     from grpo_accel.rollout.episodes import Environment, EpisodeRunner
@@ -24,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 RESERVED_FIELDS = ("prompts", "completions", *PROVIDED_FIELDS, *EPISODE_FIELDS)
 TIMED = ("time_generate", "time_score")
-FINISH_NAMES = {code: name for name, code in K.FINISH_REASONS.items()}
+FINISH_NAMES = {code: name for name, code in batch.FINISH_REASONS.items()}
 
 
 def score_rollout(td: TensorDict, rows: list[dict], prompts: Prompts, group_size: int, tokenizer,
@@ -35,7 +36,7 @@ def score_rollout(td: TensorDict, rows: list[dict], prompts: Prompts, group_size
     repeat = lambda values: [v for v in values for _ in range(group_size)]  # noqa: E731 - one per completion
     fields = {k: repeat(row[k] for row in rows) for k in rows[0] if k != prompt_field}
     if episodes is None:
-        ids = [c[m.bool()].tolist() for c, m in zip(td[K.COMPLETION_IDS], td[K.COMPLETION_MASK])]
+        ids = [c[m.bool()].tolist() for c, m in zip(td[batch.COMPLETION_IDS], td[batch.COMPLETION_MASK])]
         texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
     else:
         ids, texts = [ep.turn_ids for ep in episodes], [ep.messages[-1]["content"] for ep in episodes]
@@ -45,7 +46,7 @@ def score_rollout(td: TensorDict, rows: list[dict], prompts: Prompts, group_size
         texts,
         group_size=group_size,
         completion_ids=ids,
-        finish_reason=[FINISH_NAMES[int(r)] for r in td[K.FINISH_REASON]],
+        finish_reason=[FINISH_NAMES[int(r)] for r in td[batch.FINISH_REASON]],
         prompt_messages=repeat(prompts.messages),
         **fields,
     )
@@ -54,66 +55,63 @@ def score_rollout(td: TensorDict, rows: list[dict], prompts: Prompts, group_size
 def _split_tied_groups(td: TensorDict, group_size: int) -> tuple[list[TensorDict], list[TensorDict]]:
     """(groups whose rewards differ, groups whose rewards all tie), each group a TensorDict [G]."""
     groups = [td[i : i + group_size] for i in range(0, td.shape[0], group_size)]
-    tied = [bool((g[K.REWARD] == g[K.REWARD][0]).all()) for g in groups]
+    tied = [bool((g[batch.REWARD] == g[batch.REWARD][0]).all()) for g in groups]
     return [g for g, t in zip(groups, tied) if not t], [g for g, t in zip(groups, tied) if t]
 
 
 def check_context(prompts: list[list[int]], limit: int | None, max_new_tokens: int,
-                  max_prompt_tokens: int | None) -> None:
+                  max_prompt_tokens: int | None, names: Mapping[str, str] | None = None) -> None:
     """Refuse, before the first batch, a prompt that cannot be followed by ``max_new_tokens`` within the engine's
     context (``limit`` tokens per sequence)."""
     if limit is None or not prompts:
         return
     row = max(range(len(prompts)), key=lambda i: len(prompts[i]))
     longest = len(prompts[row])
+    new, prompt = setting(names, "max_new_tokens"), setting(names, "max_prompt_tokens")
     if longest + max_new_tokens > limit:
         raise DataError(
-            f"rollout.max_new_tokens={max_new_tokens}: the longest prompt (row {row}, {longest} tokens) and that many "
-            f"new tokens exceed the {limit} tokens a sequence may hold (SGLang: the servers' shortest context less "
-            f"one; embedded: the model's max_position_embeddings). Lower rollout.max_new_tokens to "
-            f"{max(limit - longest, 0)} or less, or rollout.max_prompt_tokens (now {max_prompt_tokens}) below "
-            f"{longest} so that such rows are refused when loaded, or serve a longer context (--context-length).")
+            f"{new}={max_new_tokens}: the longest prompt (row {row}, {longest} tokens) and that many new tokens "
+            f"exceed the {limit} tokens a sequence may hold (SGLang: the servers' shortest context less one; "
+            f"embedded: the model's max_position_embeddings). Lower {new} to {max(limit - longest, 0)} or less, or "
+            f"{prompt} (now {max_prompt_tokens}) below {longest} so that such rows are refused when loaded, or serve "
+            "a longer context (--context-length).")
 
 
-class RolloutEngine(Protocol):
-    """``context_limit`` (optional): the most prompt + completion tokens one sequence may hold (None: no limit)."""
-
-    weight_version: int
-
-    def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int] | None = None) -> TensorDict: ...
-
-
-class GRPOCollector:
+class GRPOCollector(Collector):
     """Iterable of scored rollouts, one per optimisation round (the spec's ``collector``).
 
-    Each item holds ``prompts_per_batch x group_size`` completions (this process's share when ``world_size``
-    > 1: every process walks the same shuffled order and takes its own slice of each global batch). Rows are
+    Each item holds this process's share of a collected batch of ``layout.prompts`` x ``layout.group_size``
+    completions: every process walks the same shuffled order and takes slice ``rank`` of each batch. Rows are
     visited in a new seeded order each pass over the dataset.
 
     Args:
-        engine: anything with ``generate(prompt_ids, group_size) -> TensorDict`` and ``weight_version``.
+        engine: a :class:`~grpo_accel.contracts.RolloutEngine`.
         tokenizer: encodes prompts and decodes completions for the reward functions.
         rows: dataset rows (dicts); ``prompt_field`` holds the prompt, other fields reach reward functions.
         rewards: the reward functions and their weights.
-        prompts_per_batch: prompts per collected batch over all processes.
-        group_size: completions per prompt (>= 2).
+        layout: the run's :class:`~grpo_accel.layout.BatchLayout` (prompts per batch, group size, processes).
+        rank: the share of each batch this process collects, ``accelerator.process_index`` under several
+            processes (the trainer checks it).
         max_prompt_tokens: a longer prompt (after the chat template) is an error naming its row.
         system_prompt: prepended as a system message to every chat-formatted prompt (see :mod:`grpo_accel.data`).
         scale_advantages / leave_one_out: see :func:`grpo_accel.advantages.group_advantages`.
         dynamic_sampling: drop groups whose rewards all tie (they carry no gradient) and sample more prompts
             until the batch is full, for at most ``max_extra_rounds`` extra rounds; tied groups fill what is
             still missing, so the batch size never changes. ``stats`` in the rollout reports the fraction dropped.
-        sync_any: with several processes, ``sync_any(flag)`` must return True on every process when any passed
-            True (an all-reduce), so that all take the same number of extra rounds (and episode turns).
+        sync_any: with several processes, ``sync_any(flag)`` returns True on every process when any passed True
+            (an all-reduce over the default process group unless given), so that all take the same number of
+            extra rounds (and episode turns).
         environment: makes a fresh :class:`~grpo_accel.rollout.episodes.Environment` per episode: completions
             become multi-turn episodes (the model's turns, the environment's answers) of at most ``max_turns``
             model turns and ``max_episode_tokens`` tokens after the prompt; the first messages come from its
             ``reset(row)`` (rendered with its tools' schemas), and reward functions also get ``conversation`` and
             ``env_rewards``. None: one completion per prompt, as always.
+        names: what messages call the settings they name (:func:`grpo_accel.rules.setting`; the recipe passes
+            the config's keys).
 
     Example:
         >>> collector = GRPOCollector(engine, tok, rows, RewardSet({"answer": answer_match}),
-        ...                           prompts_per_batch=16, group_size=8)
+        ...                           layout=BatchLayout(prompts=16, group_size=8))
         >>> rollout = next(iter(collector))     # TensorDict [128] with rewards and advantages
     """
 
@@ -124,31 +122,30 @@ class GRPOCollector:
         rows: list[dict],
         rewards: RewardSet,
         *,
-        prompts_per_batch: int,
-        group_size: int,
+        layout: BatchLayout,
+        rank: int = 0,
         prompt_field: str = "prompt",
         max_prompt_tokens: int | None = None,
         system_prompt: str | None = None,
         scale_advantages: bool = True,
         leave_one_out: bool = False,
         seed: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
         dynamic_sampling: bool = False,
         max_extra_rounds: int = 4,
-        sync_any: Callable[[bool], bool] = bool,
+        sync_any: Callable[[bool], bool] = any_process,
         environment: Callable[[], "Environment"] | None = None,
         max_turns: int = 4,
         max_episode_tokens: int | None = None,
+        names: Mapping[str, str] | None = None,
     ) -> None:
-        check("group_size", "group_size", group_size, owner="GRPOCollector: ")
-        self.layout = BatchLayout(prompts_per_batch, group_size, world_size)
-        self.layout.check_split()
+        if not 0 <= rank < layout.processes:
+            raise ValueError(f"GRPOCollector: rank={rank} is not one of the layout's {layout.processes} processes; "
+                             "pass rank=accelerator.process_index.")
         clash = [f for f in RESERVED_FIELDS if rows and f in rows[0]]
         if clash:
             raise DataError(f"dataset fields {clash} clash with reward-function arguments; rename those columns.")
         self.engine, self.tokenizer, self.rows, self.rewards = engine, tokenizer, rows, rewards
-        self.prompts_per_batch, self.group_size = prompts_per_batch, group_size
+        self.layout, self.group_size = layout, layout.group_size
         self.prompt_field = prompt_field
         self.scale_advantages, self.leave_one_out = scale_advantages, leave_one_out
         self.seed, self.rank = seed, rank
@@ -165,34 +162,28 @@ class GRPOCollector:
         for name, columns in rewards.required_columns().items():
             if environment is None and (needs := [c for c in columns if c in EPISODE_FIELDS]):
                 raise DataError(f"reward {name!r} needs {needs}, which only multi-turn episodes provide; set "
-                                "rollout.environment, or drop that reward.")
+                                f"{setting(names, 'environment')}, or drop that reward.")
         check_columns(rows, rewards.required_columns(PROVIDED_FIELDS + (EPISODE_FIELDS if environment else ())))
         # every row rendered, tokenised and checked before any batch
         if self.episodes is not None:
-            self.prompts = self.episodes.encode(rows, max_tokens=max_prompt_tokens)
+            self.prompts = self.episodes.encode(rows, max_tokens=max_prompt_tokens, names=names)
         else:
             self.prompts = encode_prompts(rows, tokenizer, prompt_field=prompt_field, system_prompt=system_prompt,
-                                          max_tokens=max_prompt_tokens)
+                                          max_tokens=max_prompt_tokens, names=names)
         self._warn_unknown_tokens()
-        check_context(self.prompts.ids, getattr(engine, "context_limit", None), getattr(engine, "max_new_tokens", 0),
-                      max_prompt_tokens)
-
-    def shard(self, rank: int, world_size: int, sync_any: Callable[[bool], bool]) -> None:
-        """Collect process ``rank``'s share of each global batch from now on (the trainer calls this for a
-        collector built for one process when it runs under several)."""
-        self.layout = dataclasses.replace(self.layout, processes=world_size)
-        self.layout.check_split()
-        self.rank, self.sync_any = rank, sync_any
+        check_context(self.prompts.ids, engine.context_limit, engine.max_new_tokens, max_prompt_tokens, names)
 
     @property
-    def world_size(self) -> int:
-        """Processes the batch is split over (the layout's)."""
-        return self.layout.processes
+    def collective(self) -> bool:
+        """Dynamic sampling's extra rounds (and, with an engine that is collective, every episode turn) are agreed
+        with the other processes while collecting."""
+        many = self.layout.processes > 1
+        return many and (self.dynamic_sampling or (self.episodes is not None and self.engine.collective))
 
-    @property
-    def completions_per_batch(self) -> int:
-        """Completions this process collects per batch."""
-        return self.layout.completions_per_process
+    def close(self) -> None:
+        """Stop the engine's and the reward functions' helpers (a decode worker, reward worker processes)."""
+        self.engine.close()
+        self.rewards.close()
 
     def _shuffled(self, epoch: int) -> list[int]:
         order = list(range(len(self.rows)))
@@ -202,7 +193,7 @@ class GRPOCollector:
     def _next_indices(self) -> list[int]:
         """The global batch's row indices (same on every process), advancing through seeded epochs."""
         out = []
-        while len(out) < self.prompts_per_batch:
+        while len(out) < self.layout.prompts:
             if self.position == len(self._order):
                 self.epoch, self.position = self.epoch + 1, 0
                 self._order = self._shuffled(self.epoch)
@@ -217,12 +208,12 @@ class GRPOCollector:
         rows = [i for i, ids in enumerate(self.prompts.ids) if unk in ids]
         if rows:
             logger.warning("%d of %d prompts hold text the tokenizer maps to its unknown token %r (first: row %d, %r); "
-                           "the model cannot read that text: use a tokenizer that covers it (model.name_or_path)",
+                           "the model cannot read that text: use a tokenizer that covers it",
                            len(rows), len(self.rows), self.tokenizer.unk_token, rows[0],
                            self.prompts.texts[rows[0]][:80])
 
     def collect(self) -> TensorDict:
-        """One scored rollout TensorDict [completions_per_batch] (keys: grpo_accel.batch). Its ``stats`` hold
+        """One scored rollout TensorDict [layout.completions_per_process] (keys: grpo_accel.batch). Its ``stats`` hold
         this batch's seconds spent generating and scoring (``time_generate``, ``time_score``) and, with dynamic
         sampling, the fraction of groups dropped and the extra rounds taken."""
         self._seconds = dict.fromkeys(TIMED, 0.0)
@@ -246,7 +237,7 @@ class GRPOCollector:
             new_informative, new_tied = _split_tied_groups(more, self.group_size)
             informative, tied, seen = informative + new_informative, tied + new_tied, seen + len(new_informative) + len(new_tied)
         chosen = (informative + tied)[:groups]
-        out = K.concat_rollouts(chosen, pad_id=self.engine.pad_id if hasattr(self.engine, "pad_id") else 0)
+        out = batch.concat_rollouts(chosen, pad_id=self.engine.pad_id)
         return out, {"dropped_group_fraction": len(tied) / seen, "extra_rounds": float(rounds)}
 
     def _collect_round(self) -> TensorDict:
@@ -254,7 +245,7 @@ class GRPOCollector:
         global_indices = self._next_indices()
         share = self.layout.prompts_per_process
         indices = global_indices[self.rank * share : (self.rank + 1) * share]
-        first_group = self.batches * self.prompts_per_batch + self.rank * share
+        first_group = self.batches * self.layout.prompts + self.rank * share
         group_ids = list(range(first_group, first_group + share))
         # Seeds depend on (seed, group id) only: the same samples whatever the number of processes.
         seeds = [(self.seed % 2**20) * 2**36 + g for g in group_ids]
@@ -270,16 +261,12 @@ class GRPOCollector:
                                 self.tokenizer, self.rewards, self.prompt_field, episodes))
         self._seconds["time_generate"] += scored - start
         self._seconds["time_score"] += time.perf_counter() - scored
-        td[K.ADVANTAGES] = group_advantages(
-            td[K.REWARD], self.group_size, scale_by_std=self.scale_advantages, leave_one_out=self.leave_one_out
+        td[batch.ADVANTAGES] = group_advantages(
+            td[batch.REWARD], self.group_size, scale_by_std=self.scale_advantages, leave_one_out=self.leave_one_out
         )
-        td[K.GROUP_ID] = torch.tensor(group_ids).repeat_interleave(self.group_size)
+        td[batch.GROUP_ID] = torch.tensor(group_ids).repeat_interleave(self.group_size)
         self.batches += 1
         return td
-
-    def __iter__(self) -> Iterator[TensorDict]:
-        while True:
-            yield self.collect()
 
     def state_dict(self) -> dict:
         """Dataset position and the engine's weight version (what a resumed run needs to continue exactly)."""

@@ -26,7 +26,8 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from grpo_accel import batch as K
+from grpo_accel import batch
+from grpo_accel.distributed import zero3_collective, zero3_partitioned
 from grpo_accel.logprobs import position_ids_from_mask
 from grpo_accel.rollout.sampling import KeyedSampler, keyed_gumbel
 
@@ -149,10 +150,10 @@ class Decoder:
             return out.logits[:, -1]
 
         self.forward = torch.compile(forward, dynamic=True) if compiled else forward
-        self.synced = zero3_group()
+        self.synced = zero3_collective()
         # inference mode skips autograd's per-op bookkeeping (~12% of a tiny model's step); not under ZeRO-3,
         # whose forward hooks allocate the gathered parameters, which must stay ordinary tensors for training
-        self.no_grad = torch.no_grad if zero3_enabled() else torch.inference_mode
+        self.no_grad = torch.no_grad if zero3_partitioned() else torch.inference_mode
 
     def _everywhere(self, finished: bool) -> bool:
         """Whether every process finished. Under ZeRO-3 each forward gathers parameters from all processes, so
@@ -224,7 +225,7 @@ class Decoder:
         for step in range(budget):
             token, logprob = draw(logits, step)  # [M], [M]; rows already done draw garbage, masked at the end
             drawn.append((live, token, logprob))
-            done = done | K.is_stop_token(token, settings.stop_ids)
+            done = done | batch.is_stop_token(token, settings.stop_ids)
             finished = int(done.sum())
             if step + 1 == budget or self._everywhere(finished == done.numel()):
                 break
@@ -261,7 +262,7 @@ def _assemble(drawn: list[tuple[Tensor, Tensor, Tensor]], rows: int,
             tokens[live, start:end] = torch.stack([t for _, t, _ in drawn[start:end]], 1)
             logprobs[live, start:end] = torch.stack([lp for _, _, lp in drawn[start:end]], 1)
             start = end
-    after_eos = K.after_stop(tokens, settings.stop_ids)
+    after_eos = batch.after_stop(tokens, settings.stop_ids)
     return tokens.masked_fill(after_eos, settings.pad_id), logprobs.masked_fill(after_eos, 0.0)
 
 
@@ -298,22 +299,6 @@ class _Draws:
             steps = torch.arange(step, min(step + block, self.settings.max_new_tokens))
             self.noise, self.first = keyed_gumbel(self.keys.to(device), steps, self.vocab), step
         return self.noise[:, step - self.first]
-
-
-def zero3_enabled() -> bool:
-    """DeepSpeed ZeRO-3 is on: the model's parameters are gathered by hooks around each module's forward."""
-    try:
-        from transformers.integrations import is_deepspeed_zero3_enabled
-    except ImportError:
-        return False
-    return is_deepspeed_zero3_enabled()
-
-
-def zero3_group() -> bool:
-    """ZeRO-3 with several processes: the model's parameters are partitioned across the group."""
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and zero3_enabled()
 
 
 def _prefill_mask(prompt_mask: Tensor) -> Tensor:  # [P, L] -> [P, 1, L, L] bool

@@ -11,9 +11,10 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor, nn
 
-from grpo_accel import batch as K
-from grpo_accel.rollout.decode import DECODERS
+from grpo_accel import batch
+from grpo_accel.contracts import RolloutEngine
 from grpo_accel.logprobs import selected_logprobs
+from grpo_accel.rollout.decode import DECODERS
 from grpo_accel.rollout.sampling import KeyedSampler
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(RolloutEngine):
     """Samples ``group_size`` completions per prompt with the policy itself (weights are shared, not copied).
 
     Logprobs are reported as SGLang reports them: ``log_softmax(logits / temperature)`` at the sampled token,
@@ -89,7 +90,7 @@ class EmbeddedEngine:
             torch.set_num_threads(self.worker_threads)
         self.model, self.gather = model, gather or contextlib.nullcontext
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        stops = K.stop_token_ids(tokenizer, getattr(model, "generation_config", None))
+        stops = batch.stop_token_ids(tokenizer, getattr(model, "generation_config", None))
         self.settings = DecodeSettings(max_new_tokens, stops, pad_id, float(temperature), top_k, top_p)
         self.weight_version = 0
         self.lock = threading.Lock()  # held while generating; a weight update waits for it (SGLang's writer lock)
@@ -110,9 +111,9 @@ class EmbeddedEngine:
     @property
     def collective(self) -> bool:
         """Whether every process must call :meth:`generate` together (ZeRO-3 partitions the weights over them)."""
-        from grpo_accel.rollout.decode import zero3_group
+        from grpo_accel.distributed import zero3_collective
 
-        return zero3_group()
+        return zero3_collective()
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int] | None = None,
@@ -123,13 +124,12 @@ class EmbeddedEngine:
         is the same whatever else is generated with it. Without seeds, they are drawn from torch's RNG.
         ``greedy`` takes the most likely token instead of sampling (evaluation).
         """
-        ids, mask = K.padded(prompt_ids, self.pad_id, "left")  # [P, L] each
+        ids, mask = batch.padded(prompt_ids, self.pad_id, "left")  # [P, L] each
         if seeds is None:
             seeds = torch.randint(0, 2**56, (len(prompt_ids),)).tolist()
         keys = None if greedy else torch.tensor([k * group_size + j for k in seeds for j in range(group_size)])
-        td = self._sample(ids, mask, keys, torch.arange(len(prompt_ids)).repeat_interleave(group_size))
-        td[K.PROMPT_IDS], td[K.PROMPT_MASK] = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)
-        return td
+        rows = torch.arange(len(prompt_ids)).repeat_interleave(group_size)
+        return self._sample(ids, mask, keys, rows, prompts=(ids[rows], mask[rows]))
 
     @torch.no_grad()
     def continue_rows(self, prompt_ids: list[list[int]], rows: list[int], suffixes: list[list[int]],
@@ -137,15 +137,17 @@ class EmbeddedEngine:
         """One more turn of multi-turn episodes: row i continues ``prompt_ids[rows[i]] + suffixes[i]`` with the
         random stream ``keys[i]`` (None: greedy), as ``generate`` would with that context and seed and group size
         1, but each prompt is prefilled once for all its rows (the fast decoder; ``generate`` re-reads contexts).
-        A TensorDict [len(rows)] of the new tokens: completion ids, mask and logprobs, finish reason, version."""
-        ids, mask = K.padded(prompt_ids, self.pad_id, "left")  # [P, L] each
-        suffix = K.padded(suffixes, self.pad_id, "left")  # [N, S] each
-        return self._sample(ids, mask, None if keys is None else torch.tensor(keys), torch.tensor(rows), suffix)
+        A rollout [len(rows)] whose prompts are those contexts."""
+        ids, mask = batch.padded(prompt_ids, self.pad_id, "left")  # [P, L] each
+        suffix = batch.padded(suffixes, self.pad_id, "left")  # [N, S] each
+        rows_t = torch.tensor(rows)
+        contexts = _contexts(ids, mask, rows_t, suffix, self.pad_id)
+        return self._sample(ids, mask, None if keys is None else torch.tensor(keys), rows_t, contexts, suffix)
 
-    def _sample(self, ids: Tensor, mask: Tensor, keys: Tensor | None, rows: Tensor,
+    def _sample(self, ids: Tensor, mask: Tensor, keys: Tensor | None, rows: Tensor, prompts: tuple[Tensor, Tensor],
                 suffix: tuple[Tensor, Tensor] | None = None) -> TensorDict:
-        """Draw a completion for each row (continuing prompt ``rows[i]``, then its suffix): the completion keys of
-        a rollout TensorDict [len(rows)]."""
+        """Draw a completion for each row (continuing prompt ``rows[i]``, then its suffix): the rollout
+        [len(rows)] of ``prompts`` (each row's whole context, padded: ids and mask)."""
         s = self.settings
         device = next(self.model.parameters()).device
         with self.lock:
@@ -157,21 +159,16 @@ class EmbeddedEngine:
                         completion, logprobs = self._decode(ids.to(device), mask.to(device), keys, rows.to(device),
                                                             suffix and tuple(t.to(device) for t in suffix))
                     else:
-                        completion, logprobs = self._generate(*_contexts(ids, mask, rows, suffix, s.pad_id), keys)
+                        completion, logprobs = self._generate(*prompts, keys)
             finally:
                 self.model.train(was_training)
             version = self.weight_version
-        completion_mask = (~K.after_stop(completion, s.stop_ids)).long()  # [N, C]
-        finish = torch.where(K.is_stop_token(completion, s.stop_ids).any(1), K.FINISH_STOP, K.FINISH_LENGTH)
-        n = completion.shape[0]
-        return TensorDict({
-            K.COMPLETION_IDS: completion.where(completion_mask.bool(), s.pad_id).cpu(),
-            K.COMPLETION_MASK: completion_mask.cpu(),
-            K.ENGINE_LOGPROBS: (logprobs * completion_mask).float().cpu(),
-            K.FINISH_REASON: finish.cpu(),
-            K.WEIGHT_VERSION: torch.full((n,), version, dtype=torch.long),
-            K.WEIGHT_VERSION_LAST: torch.full((n,), version, dtype=torch.long),  # the lock keeps pushes out
-        }, batch_size=[n])
+        completion_mask = (~batch.after_stop(completion, s.stop_ids)).long()  # [N, C]
+        finish = torch.where(batch.is_stop_token(completion, s.stop_ids).any(1), batch.FINISH_STOP, batch.FINISH_LENGTH)
+        return batch.make_rollout(  # the lock keeps pushes out: every token is of one version
+            prompts=prompts, completions=(completion.where(completion_mask.bool(), s.pad_id).cpu(), completion_mask.cpu()),
+            engine_logprobs=(logprobs * completion_mask).float().cpu(), finish_reason=finish.cpu(),
+            weight_version=torch.full((completion.shape[0],), version), pad_id=s.pad_id)
 
     def close(self) -> None:
         """Stop the decode worker, if one runs."""
@@ -219,4 +216,4 @@ def _contexts(ids: Tensor, mask: Tensor, rows: Tensor, suffix: tuple[Tensor, Ten
     if suffix is None:
         return ids[rows], mask[rows]
     joined = [torch.cat([ids[r][mask[r].bool()], s[m.bool()]]).tolist() for r, s, m in zip(rows.tolist(), *suffix)]
-    return K.padded(joined, pad_id, "left")
+    return batch.padded(joined, pad_id, "left")

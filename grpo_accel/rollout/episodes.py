@@ -15,12 +15,12 @@ from __future__ import annotations
 import concurrent.futures
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
 from tensordict import TensorDict
 
-from grpo_accel import batch as K
+from grpo_accel import batch
 from grpo_accel.data import ROLES, Prompts, chat_messages, encode_prompts, is_chat_message, render_chat
 from grpo_accel.rules import check
 from grpo_accel.tools import CallParser, TaggedCallParser, ToolRunner, tool_schema
@@ -78,7 +78,7 @@ class ToolEnvironment:
 
     Example:
         >>> make_env = lambda: ToolEnvironment([calculator], system_prompt="Use the calculator.")
-        >>> collector = GRPOCollector(engine, tok, rows, rewards, prompts_per_batch=8, group_size=8,
+        >>> collector = GRPOCollector(engine, tok, rows, rewards, layout=BatchLayout(8, 8),
         ...                           environment=make_env, max_turns=3)
     """
 
@@ -163,7 +163,8 @@ class EpisodeRunner:
     """Runs the G episodes of each prompt turn by turn on a rollout engine and returns them as one rollout.
 
     Args:
-        engine: any rollout engine (``generate(prompt_ids, group_size, seeds)``); every turn is one call.
+        engine: a :class:`~grpo_accel.contracts.RolloutEngine`; the first turn is one ``generate``, every later
+            one a ``continue_rows``.
         tokenizer: decodes turns into messages and encodes the environment's answers (:class:`TurnRenderer`).
         environment: makes a fresh :class:`Environment` per episode.
         max_turns: model turns per episode at most; an episode still calling tools after them is cut
@@ -171,8 +172,8 @@ class EpisodeRunner:
         max_episode_tokens: tokens after the prompt (the model's and the environment's) at most; None: no limit
             besides ``max_turns`` x the engine's ``max_new_tokens``. An engine's ``context_limit`` (prompt +
             episode tokens one sequence may hold) bounds it too: an episode whose context is full ends "length".
-        sync_any: under several processes, True on every process when any passes True. With an engine whose
-            ``collective`` is true (embedded under ZeRO-3: generation gathers weights from every process), every
+        sync_any: under several processes, True on every process when any passes True. With an engine that is
+            ``collective`` (embedded under ZeRO-3: generation gathers weights from every process), every
             process then takes the same number of turns, idle ones on a throwaway row; other engines' processes
             run their episodes on their own.
     """
@@ -188,10 +189,11 @@ class EpisodeRunner:
         self.renderer = TurnRenderer(tokenizer, self.tools)
         self._pool = concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="grpo-env")
 
-    def encode(self, rows: list[dict], *, max_tokens: int | None = None, source: str = "dataset") -> Prompts:
+    def encode(self, rows: list[dict], *, max_tokens: int | None = None, source: str = "dataset",
+               names: Mapping[str, str] | None = None) -> Prompts:
         """Every row's first messages (the environment's ``reset``) rendered with the tools and checked."""
         return encode_prompts(rows, self.tokenizer, max_tokens=max_tokens, source=source, tools=self.tools,
-                              start=self._start)
+                              start=self._start, names=names)
 
     def run(self, rows: list[dict], prompts: Prompts, group_size: int, seeds: list[int] | None = None,
             greedy: bool = False) -> tuple[TensorDict, list[_Episode]]:
@@ -201,7 +203,7 @@ class EpisodeRunner:
         seeds = seeds if seeds is not None else torch.randint(0, 2**40, (len(rows),)).tolist()
         prompt_ids, first_messages = prompts.ids, prompts.messages
         episodes = []
-        context = getattr(self.engine, "context_limit", None)
+        context = self.engine.context_limit
         for row, messages, seed, prompt in zip(rows, first_messages, seeds, prompt_ids):
             rooms = [r for r in (self.max_episode_tokens, None if context is None else context - len(prompt))
                      if r is not None]
@@ -217,7 +219,7 @@ class EpisodeRunner:
             self._take_turn([episodes[i] for i in active], td)
             self._answer([episodes[i] for i in active])
             active = [i for i in active if episodes[i].finish is None]
-            if not (self.sync_any(bool(active)) if getattr(self.engine, "collective", False) else active):
+            if not (self.sync_any(bool(active)) if self.engine.collective else active):
                 return self._rollout(row_prompts, episodes), episodes
             # an idle process keeps the others company (each turn is a collective there) on a throwaway row
             td = self._next_turn(prompt_ids, group_size, episodes, active or [0], greedy)
@@ -226,26 +228,21 @@ class EpisodeRunner:
 
     def _next_turn(self, prompt_ids: list[list[int]], group_size: int, episodes: list[_Episode], rows: list[int],
                    greedy: bool) -> TensorDict:
-        """The next model turn of episodes ``rows``, from their prompt and their tokens so far. An engine with
-        ``continue_rows`` (the embedded one) prefills each prompt once for all its episodes; others get each
-        whole context (SGLang's prefix cache shares the prompts there)."""
+        """The next model turn of episodes ``rows``, from their prompt and their tokens so far (the embedded engine
+        prefills each prompt once for all its episodes; SGLang's prefix cache shares the prompts)."""
         turn = episodes[rows[0]].turns
         keys = None if greedy else [(episodes[i].key * 1_000_003 + turn) % 2**56 for i in rows]
-        if hasattr(self.engine, "continue_rows"):
-            used = sorted({i // group_size for i in rows})
-            return self.engine.continue_rows([prompt_ids[p] for p in used], [used.index(i // group_size) for i in rows],
-                                             [episodes[i].tokens for i in rows], keys)
-        contexts = [prompt_ids[i // group_size] + episodes[i].tokens for i in rows]
-        return self.engine.generate(contexts, 1, seeds=keys, greedy=greedy)
+        used = sorted({i // group_size for i in rows})
+        return self.engine.continue_rows([prompt_ids[p] for p in used], [used.index(i // group_size) for i in rows],
+                                         [episodes[i].tokens for i in rows], keys)
 
     def _take_turn(self, episodes: list[_Episode], td: TensorDict | None) -> None:
         """Append each episode's new model turn (row i of ``td``), cut to the token budget."""
         if td is None:
             return
-        last_versions = td.get(K.WEIGHT_VERSION_LAST, td[K.WEIGHT_VERSION])
-        for ep, ids, mask, logp, reason, version, last in zip(episodes, td[K.COMPLETION_IDS], td[K.COMPLETION_MASK],
-                                                               td[K.ENGINE_LOGPROBS], td[K.FINISH_REASON],
-                                                               td[K.WEIGHT_VERSION], last_versions):
+        for ep, ids, mask, logp, reason, version, last in zip(episodes, td[batch.COMPLETION_IDS], td[batch.COMPLETION_MASK],
+                                                               td[batch.ENGINE_LOGPROBS], td[batch.FINISH_REASON],
+                                                               td[batch.WEIGHT_VERSION], td[batch.WEIGHT_VERSION_LAST]):
             n = int(mask.sum())
             room = n if ep.room is None else max(0, min(n, ep.room - len(ep.tokens)))
             ep.turn_ids = ids[:room].tolist()
@@ -255,11 +252,11 @@ class EpisodeRunner:
             ep.turns += 1
             ep.version = int(version) if ep.version is None else min(ep.version, int(version))
             ep.last_version = max(ep.last_version, int(last))
-            stopped = room == n and int(reason) == K.FINISH_STOP
+            stopped = room == n and int(reason) == batch.FINISH_STOP
             text = self.tokenizer.decode(ep.turn_ids, skip_special_tokens=True)
             ep.messages.append({"role": "assistant", "content": text})
             if not stopped:  # cut by the engine's or the episode's budget: the turn is unfinished
-                ep.finish = K.FINISH_LENGTH
+                ep.finish = batch.FINISH_LENGTH
 
     def _answer(self, episodes: list[_Episode]) -> None:
         """The environment's step for every episode whose turn finished, run concurrently."""
@@ -270,12 +267,12 @@ class EpisodeRunner:
             for name, value in step.rewards.items():
                 ep.env_rewards[name] = ep.env_rewards.get(name, 0.0) + float(value)
             if step.done:
-                ep.finish = K.FINISH_STOP
+                ep.finish = batch.FINISH_STOP
                 continue
             between = self.renderer.between(step.messages)
             over = ep.room is not None and len(ep.tokens) + len(between) >= ep.room  # no room for a model token
             if ep.turns >= self.max_turns or over:
-                ep.finish = K.FINISH_LENGTH  # the model never reads this answer: not part of the episode
+                ep.finish = batch.FINISH_LENGTH  # the model never reads this answer: not part of the episode
                 continue
             ep.messages += step.messages
             ep.tokens += between
@@ -283,24 +280,13 @@ class EpisodeRunner:
             ep.logprobs += [0.0] * len(between)
 
     def _rollout(self, prompts: list[list[int]], episodes: list[_Episode]) -> TensorDict:
-        pad = self.engine.pad_id
-        n = len(episodes)
         count = lambda attr: torch.tensor([getattr(ep, attr) for ep in episodes], dtype=torch.long)  # noqa: E731
-        prompt_ids, prompt_mask = K.padded(prompts, pad, "left")
-        completion_ids, completion_mask = K.padded([ep.tokens for ep in episodes], pad, "right")
-        return TensorDict({
-            K.PROMPT_IDS: prompt_ids,
-            K.PROMPT_MASK: prompt_mask,
-            K.COMPLETION_IDS: completion_ids,
-            K.COMPLETION_MASK: completion_mask,
-            K.MODEL_MASK: K.pad_sequences([ep.model for ep in episodes], 0, "right"),
-            K.ENGINE_LOGPROBS: K.pad_sequences([ep.logprobs for ep in episodes], 0.0, "right", dtype=torch.float32),
-            K.FINISH_REASON: count("finish"),
-            K.WEIGHT_VERSION: count("version"),
-            K.WEIGHT_VERSION_LAST: count("last_version"),
-            K.EPISODE: TensorDict({"turns": count("turns"), "tool_calls": count("tool_calls"),
-                                   "tool_errors": count("tool_errors")}, batch_size=[n]),
-        }, batch_size=[n])
+        counts = TensorDict({"turns": count("turns"), "tool_calls": count("tool_calls"),
+                             "tool_errors": count("tool_errors")}, batch_size=[len(episodes)])
+        return batch.make_rollout(prompts=prompts, completions=[ep.tokens for ep in episodes],
+                              engine_logprobs=[ep.logprobs for ep in episodes], finish_reason=count("finish"),
+                              weight_version=count("version"), weight_version_last=count("last_version"),
+                              pad_id=self.engine.pad_id, model_mask=[ep.model for ep in episodes], episode=counts)
 
 def _step(ep: _Episode) -> Step:
     """``ep.env.step`` on the conversation so far, its answer checked: a :class:`Step` of chat messages and

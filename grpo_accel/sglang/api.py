@@ -109,8 +109,8 @@ class ServerInfo:
         if self.dp_size > 1 and not self.dp_attention and method != "disk":
             raise RuntimeError(f"{self.url} runs with --dp-size {self.dp_size}; SGLang refuses {method} weight updates "
                                "to a server with data-parallel replicas unless it runs --enable-dp-attention. Add "
-                               "that flag, use weight_sync.method=disk, or start one server per replica (--dp-size "
-                               "1, e.g. behind sglang-router) and list every server in rollout.urls.")
+                               "that flag, push from disk (DiskWeightSender), or start one server per replica "
+                               "(--dp-size 1, e.g. behind sglang-router) and list every server's URL.")
         if self.pp_size > 1:
             raise RuntimeError(f"{self.url} runs with --pp-size {self.pp_size}; its pipeline stages would join the "
                                "weight-update group with the same ranks. Use --pp-size 1 (tensor parallelism is fine).")

@@ -19,13 +19,16 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
 from tensordict import TensorDict
 
-from grpo_accel import batch as K
-from grpo_accel.sglang import api
+from grpo_accel import batch
+from grpo_accel.contracts import RolloutEngine
 from grpo_accel.http import HTTPClient, ServerError
+from grpo_accel.rules import setting
+from grpo_accel.sglang import api
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +51,7 @@ class _Completion:
         return self.params["max_new_tokens"] - len(self.ids)
 
 
-class SGLangEngine:
+class SGLangEngine(RolloutEngine):
     """The rollout engine protocol (``generate``, ``weight_version``, ``pad_id``) over SGLang servers.
 
     Args:
@@ -66,6 +69,8 @@ class SGLangEngine:
         report_every_s: while requests are outstanding, a line this often says which, on which server.
         stop_token_ids: ids that end a completion besides the tokenizer's EOS (the model's generation config's:
             :func:`grpo_accel.batch.stop_token_ids`), sent with every request.
+        names: what messages call the settings they name (:func:`grpo_accel.rules.setting`; the recipe passes
+            the config's keys).
 
     Example:
         >>> engine = SGLangEngine(["http://10.0.0.2:30000"], tokenizer, max_new_tokens=512)
@@ -79,10 +84,13 @@ class SGLangEngine:
     def __init__(self, urls: list[str], tokenizer, *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, api_key: str | None = None, health_timeout_s: float = 300.0,
                  retries: int = 3, request_size: int = 64, request_timeout_s: float = 600.0, backoff_s: float = 0.5,
-                 report_every_s: float = 30.0, stop_token_ids: tuple[int, ...] = ()) -> None:
+                 report_every_s: float = 30.0, stop_token_ids: tuple[int, ...] = (),
+                 names: Mapping[str, str] | None = None) -> None:
         if not urls:
-            raise ValueError("SGLangEngine: rollout.urls is empty; list the SGLang servers, e.g. [http://host:30000].")
-        self.clients = [HTTPClient(u, api_key, request_timeout_s, retries, backoff_s) for u in urls]
+            raise ValueError(f"SGLangEngine: {setting(names, 'urls')} is empty; list the SGLang servers, e.g. "
+                             "[http://host:30000].")
+        self.clients = [HTTPClient(u, api_key, request_timeout_s, retries, backoff_s, setting(names, "api_key"))
+                        for u in urls]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.retries = retries
         self.stop_token_ids = [i for i in stop_token_ids if i != tokenizer.eos_token_id]
@@ -90,7 +98,7 @@ class SGLangEngine:
         self.request_size, self.report_every_s = request_size, report_every_s
         self.weight_version = 0
         for client in self.clients:
-            client.wait_healthy(health_timeout_s)
+            client.wait_healthy(health_timeout_s, names=names)
         self.servers = [api.read_server_info(c) for c in self.clients]
         for info in self.servers:
             info.check_supported()
@@ -124,7 +132,7 @@ class SGLangEngine:
             for j in range(group_size):
                 params = api.sampling_params(max(budget, 0), temperature, self.top_p, self.top_k,
                                              seed=(seed * group_size + j) % 2**31, stop_token_ids=self.stop_token_ids)
-                completions.append(_Completion(list(prompt), params, finish=K.FINISH_LENGTH if budget <= 0 else None))
+                completions.append(_Completion(list(prompt), params, finish=batch.FINISH_LENGTH if budget <= 0 else None))
         self._run([c for c in completions if c.finish is None])
         return self._to_rollout(completions)
 
@@ -192,9 +200,9 @@ class SGLangEngine:
         c.last_version = max(c.last_version, _version(meta.get("weight_version")), version)
         reason = meta["finish_reason"]
         if reason["type"] != "abort":
-            c.finish = K.FINISH_REASONS[reason["type"]]
+            c.finish = batch.FINISH_REASONS[reason["type"]]
         elif c.budget_left <= 0:
-            c.finish = K.FINISH_LENGTH
+            c.finish = batch.FINISH_LENGTH
         else:
             c.stalls = 0 if ids else c.stalls + 1
             if c.stalls > self.retries:
@@ -202,21 +210,12 @@ class SGLangEngine:
                                   f", status {reason.get('status_code')}) after {self.retries} retries.")
 
     def _to_rollout(self, completions: list[_Completion]) -> TensorDict:
-        n = len(completions)
-        prompt_ids, prompt_mask = K.padded([c.prompt for c in completions], self.pad_id, "left")
-        completion_ids, completion_mask = K.padded([c.ids for c in completions], self.pad_id, "right")
         first = [c.first_version if c.first_version is not None else self.weight_version for c in completions]
-        return TensorDict({
-            K.PROMPT_IDS: prompt_ids,
-            K.PROMPT_MASK: prompt_mask,
-            K.COMPLETION_IDS: completion_ids,
-            K.COMPLETION_MASK: completion_mask,
-            K.ENGINE_LOGPROBS: K.pad_sequences([c.logprobs for c in completions], 0.0, "right", dtype=torch.float32),
-            K.FINISH_REASON: torch.tensor([c.finish for c in completions], dtype=torch.long),
-            K.WEIGHT_VERSION: torch.tensor(first, dtype=torch.long),
-            K.WEIGHT_VERSION_LAST: torch.tensor([max(c.last_version, f) for c, f in zip(completions, first)],
-                                                dtype=torch.long),
-        }, batch_size=[n])
+        return batch.make_rollout(prompts=[c.prompt for c in completions], completions=[c.ids for c in completions],
+                              engine_logprobs=[c.logprobs for c in completions],
+                              finish_reason=[c.finish for c in completions], weight_version=first,
+                              weight_version_last=[max(c.last_version, f) for c, f in zip(completions, first)],
+                              pad_id=self.pad_id)
 
 
 def _version(value) -> int:

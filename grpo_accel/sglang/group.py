@@ -45,7 +45,7 @@ class WeightUpdateGroup:
 
     def __init__(self, backend: str, address: str, port: int, world_size: int, prefix: str, timeout_s: float) -> None:
         if backend not in ("nccl", "gloo"):
-            raise ValueError(f"weight_sync.backend={backend!r}: use 'nccl' (GPUs) or 'gloo' (CPU).")
+            raise ValueError(f"WeightUpdateGroup: backend={backend!r}: use 'nccl' (GPUs) or 'gloo' (CPU).")
         self.backend, self.address, self.port, self.world_size = backend, address, port, world_size
         self.timeout = timedelta(seconds=timeout_s)
         # The store is not built through rendezvous("tcp://..."): under torchrun (TORCHELASTIC_USE_AGENT_STORE)

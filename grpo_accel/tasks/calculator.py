@@ -48,14 +48,14 @@ def calculator_rows(max_operand: int = 999, holdout: int = 200, count: int = 400
     """(train, held-out) chat rows asking for ``a*b`` (both in 10..max_operand) after :data:`DEMONSTRATION`, with
     the ``answer``; the first ``holdout`` of ``count`` distinct problems are held out."""
     if max_operand < 10:
-        raise ValueError(f"data.max_operand={max_operand}: the calculator task multiplies numbers in 10..max_operand; "
+        raise ValueError(f"max_operand={max_operand}: the calculator task multiplies numbers in 10..max_operand; "
                          "use >= 10.")
     span = max_operand - 9
     picks = random.Random(seed).sample(range(span * span), min(count, span * span))  # distinct (a, b) pairs
     rows = [{"prompt": [*DEMONSTRATION, {"role": "user", "content": QUESTION.format(a=10 + p // span, b=10 + p % span)}],
              "answer": str((10 + p // span) * (10 + p % span))} for p in picks]
     if holdout >= len(rows):
-        raise ValueError(f"data.holdout={holdout}: max_operand={max_operand} gives {len(rows)} problems; hold out fewer.")
+        raise ValueError(f"holdout={holdout}: max_operand={max_operand} gives {len(rows)} problems; hold out fewer.")
     return rows[holdout:], rows[:holdout]
 
 

@@ -17,13 +17,13 @@ def chat_arithmetic_rows(max_operand: int = 99, holdout: int = 200, count: int =
     """(train, held-out) chat rows with a numeric ``answer``: ``count`` distinct problems (fewer when the
     operand range has fewer), the first ``holdout`` held out."""
     if max_operand < 10:
-        raise ValueError(f"data.max_operand={max_operand}: chat_arithmetic uses operands 10..max_operand; use >= 10.")
+        raise ValueError(f"max_operand={max_operand}: chat_arithmetic uses operands 10..max_operand; use >= 10.")
     problems = [(op, a, b) for op in "+-" for a in range(10, max_operand + 1) for b in range(10, max_operand + 1)
                 if op == "+" or a >= b]
     random.Random(seed).shuffle(problems)
     rows = [{"prompt": [{"role": "user", "content": QUESTION.format(a=a, op=op, b=b)}],
              "answer": str(a + b if op == "+" else a - b)} for op, a, b in problems[:count]]
     if holdout >= len(rows):
-        raise ValueError(f"data.holdout={holdout}: max_operand={max_operand} gives {len(rows)} problems; hold out "
+        raise ValueError(f"holdout={holdout}: max_operand={max_operand} gives {len(rows)} problems; hold out "
                          "fewer.")
     return rows[holdout:], rows[:holdout]

@@ -4,10 +4,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from grpo_accel.contracts import WeightSender
 from grpo_accel.rollout.embedded import EmbeddedEngine
 
 
-class EmbeddedWeightSync:
+class EmbeddedWeightSync(WeightSender):
     """Weight-sync sender for the embedded engine.
 
     When the engine generates from the trained model itself (synchronous GRPO), an update only bumps the
@@ -18,8 +19,10 @@ class EmbeddedWeightSync:
     def __init__(self, engine: EmbeddedEngine, source: nn.Module | None = None) -> None:
         self.engine, self.source = engine, source
 
-    def update_weights(self) -> None:
-        self.push(self.engine.weight_version + 1)
+    @property
+    def version(self) -> int:
+        """The engine's version: the sender keeps no count of its own."""
+        return self.engine.weight_version
 
     @torch.no_grad()
     def push(self, version: int) -> None:

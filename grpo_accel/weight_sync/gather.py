@@ -8,7 +8,7 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from grpo_accel.distributed import full_shape, gathered_parameters
+from grpo_accel.distributed import full_shape, gathered_parameters, local_numel
 
 
 @dataclass(frozen=True)
@@ -86,16 +86,10 @@ class BucketedGather:
             weights = [by_name[n] for n in bucket.names]
             group = [p for w in weights for p in w.params]
             with gathered_parameters(group):
-                extra = sum(p.numel() * p.element_size() - _local_bytes(p) for p in group)
+                extra = sum((p.numel() - local_numel(p)) * p.element_size() for p in group)
                 tensors = [w.value().to(self.dtype).contiguous() for w in weights] if self.materialize else None
                 if tensors is not None:  # tensors that are copies, not the parameters themselves
                     params_ptrs = {p.data_ptr() for p in group}
                     extra += sum(t.numel() * t.element_size() for t in tensors if t.data_ptr() not in params_ptrs)
                 self.peak_extra_bytes = max(self.peak_extra_bytes, extra)
                 yield bucket, tensors
-
-
-def _local_bytes(p: nn.Parameter) -> int:
-    if hasattr(p, "ds_tensor"):
-        return p.ds_tensor.numel() * p.ds_tensor.element_size()
-    return p.numel() * p.element_size()

@@ -1,0 +1,179 @@
+"""Saving and restoring a run through its ``accelerate.Accelerator`` (every method collective): the trainer's
+checkpoint folders (:class:`RunCheckpointer`, atomic through :class:`~grpo_accel.checkpoint.Checkpoint`) and its
+single-file payload (:class:`TrainerFiles`). Checkpoints hold what training changes: frozen parameters (a LoRA
+run's base model, a KL reference) come from the model the resumed run builds, as DeepSpeed's
+``exclude_frozen_parameters`` does, so a LoRA checkpoint is its adapter."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from grpo_accel.checkpoint import (Checkpoint, CheckpointError, CheckpointRotation, file_manifest, load_trainer_payload,
+                                   rank_state_file, save_trainer_payload, step_dir_name)
+from grpo_accel.distributed import any_process, uses_deepspeed, zero_stage
+
+logger = logging.getLogger(__name__)
+
+
+def _no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) says the disk is full; torch's zip writer says "unexpected pos"."""
+    import errno
+
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(exc) or "unexpected pos" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+class RunCheckpointer:
+    """Saves and restores a run through an ``accelerate.Accelerator``; every method is collective.
+
+    Args:
+        accelerator: the run's Accelerator (its ``save_state`` / ``load_state`` carry model, optimizer, RNG
+            and ZeRO shards).
+        checkpoint: the run's :class:`Checkpoint` folder.
+        rotation: what to keep after each save (None keeps everything).
+        metadata: callable returning extra JSON-serialisable metadata (the spec's ``checkpoint_metadata``).
+    """
+
+    def __init__(self, accelerator, checkpoint: Checkpoint, rotation: CheckpointRotation | None = None,
+                 metadata=None) -> None:
+        self.accelerator, self.checkpoint, self.rotation, self.metadata = accelerator, checkpoint, rotation, metadata
+
+    def save(self, step: int, rank_state: dict, info: dict, hf_assets: list) -> Path:
+        """Write ``step``: accelerate state, this rank's ``rank_state``, and (rank 0) ``hf_assets`` (objects with
+        ``save_pretrained``) plus metadata ``info``; returns the final folder."""
+        start = time.perf_counter()
+        acc, staging = self.accelerator, self.checkpoint.staging_dir(step)
+        if acc.is_main_process and staging.exists():
+            shutil.rmtree(staging)
+        acc.wait_for_everyone()
+        failed = None
+        try:
+            with frozen_weights_left_out(acc):
+                acc.save_state(str(staging), **_save_kwargs(acc))
+            torch.save(rank_state, rank_state_file(staging, acc.process_index))
+            if acc.is_main_process:
+                for asset in hf_assets:
+                    asset.save_pretrained(staging / "hf")
+        except Exception as exc:  # e.g. the disk filled up: every process learns it below, none waits forever
+            failed = exc
+        if any_process(failed is not None):
+            shutil.rmtree(staging, ignore_errors=True)
+            raise self._save_failed(step, failed)
+        final = self.checkpoint.directory / step_dir_name(step)
+        if acc.is_main_process:
+            extra = self.metadata() if self.metadata is not None else {}
+            final = self.checkpoint.finalize(step, {**info, "step": step, "user": extra})
+            deleted = self.checkpoint.rotate(self.rotation, current=step) if self.rotation is not None else []
+            size = sum(file_manifest(final).values())
+            logger.info("checkpoint %s saved (%s) in %.2f s, %.1f MB%s", final, info.get("reason"),
+                        time.perf_counter() - start, size / 1e6,
+                        f"; rotated out {[p.name for p in deleted]}" if deleted else "")
+        acc.wait_for_everyone()
+        return final
+
+    def _save_failed(self, step: int, exc: Exception | None) -> CheckpointError:
+        """The error for a save that failed on some process; its partial folder is already gone."""
+        directory = self.checkpoint.directory
+        kept = self.checkpoint.complete()
+        needed = sum(file_manifest(kept[-1]).values()) if kept else None
+        existing = next(p for p in (directory, *directory.parents) if p.exists())  # the save may have made none
+        free = shutil.disk_usage(existing).free
+        if exc is None:
+            why = "another process failed to write its part"
+        elif _no_space(exc) or (needed is not None and free < needed):
+            need = f"the last checkpoint needed {needed / 1e6:.1f} MB" if needed else "this is the first checkpoint"
+            why = f"no space left on {directory} ({free / 1e6:.1f} MB free; {need})"
+        else:
+            why = f"{type(exc).__name__}: {exc}"
+        return CheckpointError(f"checkpoint {step_dir_name(step)} could not be saved: {why}. Its partial folder was "
+                               f"removed and earlier checkpoints are kept ({[p.name for p in kept] or 'none'}); "
+                               f"make room (or write elsewhere), then rerun with {self.checkpoint.resume_setting}=auto.")
+
+    def load(self, path: Path, *, signature: str, strict: bool = True) -> dict | None:
+        """Verify ``path`` against this run, load accelerate state, return this rank's trainer state."""
+        start = time.perf_counter()
+        acc = self.accelerator
+        Checkpoint.verify(path, num_processes=acc.num_processes, zero_stage=zero_stage(acc), signature=signature)
+        rank_file = rank_state_file(path, acc.process_index)
+        try:
+            acc.load_state(str(path), **_load_kwargs(acc))
+            state = torch.load(rank_file, weights_only=True) if rank_file.is_file() or strict else None
+        except Exception as exc:
+            raise CheckpointError(f"checkpoint {path} could not be loaded ({type(exc).__name__}: {exc}); resume "
+                                  "from another checkpoint. Nothing in the run folder was changed.") from exc
+        logger.info("checkpoint %s loaded in %.2f s", path, time.perf_counter() - start)
+        return state
+
+
+class TrainerFiles:
+    """Where a trainer's state goes: checkpoint folders (:class:`RunCheckpointer`) and the single-file payload
+    (``save_trainer_file``). Saving and loading folders is collective."""
+
+    def __init__(self, accelerator, checkpoint: Checkpoint | None = None, rotation: CheckpointRotation | None = None,
+                 metadata=None, file: str | Path | None = None) -> None:
+        self.accelerator = accelerator
+        self.checkpointer = RunCheckpointer(accelerator, checkpoint, rotation, metadata) if checkpoint else None
+        self.file = Path(file) if file is not None else None
+
+    def save(self, step: int, rank_state: dict, info: dict, module, policy=None, tokenizer=None) -> Path | None:
+        """The checkpoint folder (returned; with the policy's config and the tokenizer, what export needs besides
+        weights, when they exist) and the payload file (``module``'s weights), each when configured."""
+        hf_assets = [a for a in (getattr(policy, "config", None), tokenizer) if hasattr(a, "save_pretrained")]
+        final = self.checkpointer.save(step, rank_state, info, hf_assets) if self.checkpointer else None
+        if self.file is not None:
+            weights = self.accelerator.get_state_dict(module)  # collective under ZeRO-3; full on rank 0
+            if self.accelerator.is_main_process:
+                save_trainer_payload(self.file, weights, rank_state)
+        return final
+
+    def load_folder(self, path: Path, signature: str, strict: bool = True) -> dict | None:
+        """This rank's trainer state of checkpoint folder ``path`` (accelerate state loaded)."""
+        checkpointer = self.checkpointer or RunCheckpointer(self.accelerator, Checkpoint(Path(path).parent))
+        return checkpointer.load(path, signature=signature, strict=strict)
+
+    def load_file(self, path: Path, module, strict: bool = True, **kwargs) -> dict:
+        """The trainer state of a payload file; its weights are loaded into ``module`` (``kwargs``: torch.load's)."""
+        payload = load_trainer_payload(path, **kwargs)
+        if zero_stage(self.accelerator) == 3:
+            raise CheckpointError(f"{path}: a single-file trainer payload cannot be loaded under ZeRO-3; resume "
+                                  "from a checkpoint folder instead (load_from_file(folder), or a Checkpoint's resume).")
+        missing, unexpected = module.load_state_dict(payload["model"], strict=False)
+        if strict and (missing or unexpected):
+            raise CheckpointError(f"{path}: model weights do not fit (missing {missing[:5]}, unexpected "
+                                  f"{unexpected[:5]}); pass strict=False to load what fits.")
+        return payload["trainer"]
+
+
+def _save_kwargs(acc) -> dict:
+    return {"exclude_frozen_parameters": True} if uses_deepspeed(acc) else {}
+
+
+def _load_kwargs(acc) -> dict:
+    return {"load_module_strict": False} if uses_deepspeed(acc) else {"strict": False}
+
+
+@contextlib.contextmanager
+def frozen_weights_left_out(acc):
+    """Around ``save_state``: the model files (outside DeepSpeed) keep only parameters that require grad."""
+    def drop_frozen(models, weights, output_dir) -> None:
+        for model, state in zip(models, weights):
+            for name, p in model.named_parameters(remove_duplicate=False):  # tied names too
+                if not p.requires_grad:
+                    state.pop(name, None)
+
+    handle = None if uses_deepspeed(acc) else acc.register_save_state_pre_hook(drop_frozen)
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.remove()

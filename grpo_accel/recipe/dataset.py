@@ -1,0 +1,110 @@
+"""A config's dataset: rows from a JSONL/JSON or Parquet file, a folder written by ``datasets``' ``save_to_disk``
+(one split of it) or a Hugging Face dataset id, columns renamed, every row checked; each error names the
+``data.*`` setting, the file or row and the fix."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Mapping
+
+from grpo_accel.data import DataError, check_messages
+
+DATASET_FILES = (".jsonl", ".json", ".parquet")
+
+
+def load_rows(path: str | Path, *, name: str | None = None, split: str = "train",
+              rename: Mapping[str, str] | None = None, key: str = "data.path") -> list[dict]:
+    """Rows (dicts) of a dataset: a ``.jsonl``/``.json`` (one object per line) or ``.parquet`` file, a folder
+    written by ``datasets``' ``save_to_disk`` (its ``split`` when it holds several), or anything
+    ``datasets.load_dataset(path, name, split=split)`` reads (a hub id; a folder of data files). ``rename`` maps
+    the dataset's column names to the ones used here (e.g. ``{"question": "prompt"}``). ``key`` names the
+    setting in errors."""
+    where = f"{key}={str(path)!r}"
+    local = Path(path).expanduser()
+    if local.is_file():
+        rows = _read_file(local, where)
+    elif local.is_dir() and _is_saved_dataset(local):
+        rows = _read_saved(local, split, where)
+    elif not local.exists() and (local.suffix in DATASET_FILES or str(path).startswith(("/", ".", "~"))):
+        raise DataError(f"{where}: no such file or folder (cwd {Path.cwd()}); give a JSONL or Parquet file, a "
+                        "folder written by Dataset.save_to_disk, or a Hugging Face dataset id.")
+    else:
+        rows = _read_hub(str(path), name, split, where)
+    return rename_columns(rows, rename or {}, where)
+
+
+def _read_file(path: Path, where: str) -> list[dict]:
+    if path.suffix in (".jsonl", ".json"):
+        rows = []
+        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{where} line {lineno} is not JSON ({exc}); one object per line.") from exc
+        return rows
+    if path.suffix == ".parquet":
+        return list(_datasets(where).Dataset.from_parquet(str(path)))
+    raise DataError(f"{where}: unknown file type {path.suffix!r}; use .jsonl or .parquet, or a dataset folder.")
+
+
+def _is_saved_dataset(folder: Path) -> bool:
+    return (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file()
+
+
+def _read_saved(folder: Path, split: str, where: str) -> list[dict]:
+    saved = _datasets(where).load_from_disk(str(folder))
+    if hasattr(saved, "keys"):  # a DatasetDict: one dataset per split
+        if split not in saved:
+            raise DataError(f"{where} has splits {sorted(saved)}, not {split!r}; set data.split (or data.eval_split).")
+        saved = saved[split]
+    return list(saved)
+
+
+def _read_hub(path: str, name: str | None, split: str, where: str) -> list[dict]:
+    try:
+        return list(_datasets(where).load_dataset(path, name, split=split))
+    except (FileNotFoundError, ValueError, ConnectionError, OSError) as exc:
+        raise DataError(f"{where} (data.name={name!r}, split={split!r}): datasets could not load it "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); give a file, a saved dataset "
+                        "folder, or a hub id on a machine that reaches the hub.") from exc
+
+
+def _datasets(where: str):
+    try:
+        import datasets  # lazy: only for Parquet files, saved folders and hub datasets
+    except ImportError as exc:
+        raise ImportError(f"{where} needs the `datasets` package: pip install 'grpo_accel[data]'.") from exc
+    return datasets
+
+
+def rename_columns(rows: list[dict], rename: Mapping[str, str], where: str) -> list[dict]:
+    """Rows with the columns named in ``rename`` (dataset name -> name here) renamed; a missing one is an error."""
+    if not rename:
+        return rows
+    first = rows[0] if rows else {}
+    if missing := [src for src in rename if src not in first]:
+        raise DataError(f"{where}: data.rename_columns names {missing}, which the rows lack (row 0 has "
+                        f"{sorted(first)}); map existing columns, e.g. {{question: prompt}}.")
+    return [{rename.get(k, k): v for k, v in row.items()} for row in rows]
+
+
+def validate_rows(rows: list[dict], prompt_field: str, source: str) -> list[dict]:
+    """Every row is a dict whose ``prompt_field`` holds a non-empty string or a list of chat messages; the
+    dataset is not empty."""
+    if not rows:
+        raise DataError(f"{source}: the dataset is empty; it needs at least one row with a {prompt_field!r} field.")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or prompt_field not in row:
+            fields = sorted(row) if isinstance(row, dict) else type(row).__name__
+            raise DataError(
+                f"{source}: row {i} has no prompt field {prompt_field!r} (its fields: {fields}); "
+                "set data.prompt_field to the column that holds the prompt (or data.rename_columns)."
+            )
+        prompt = row[prompt_field]
+        if isinstance(prompt, list):
+            check_messages(prompt, f"{source}: row {i}, column {prompt_field!r},")
+        elif not isinstance(prompt, str) or not prompt:
+            raise DataError(f"{source}: row {i} column {prompt_field!r} is {prompt!r}; a prompt is a non-empty "
+                            "string or a list of chat messages [{role, content}].")
+    return rows

@@ -1,0 +1,138 @@
+"""Export a checkpoint (any ZeRO stage) as a Hugging Face model folder: safetensors + config + tokenizer.
+
+    python -m grpo_accel.export runs/default/checkpoints/step_00001000 exported/ [--dtype bfloat16]
+
+The folder loads with ``AutoModelForCausalLM.from_pretrained`` and is what an SGLang server serves
+(``--model-path``) or reloads (``/update_weights_from_disk``). A LoRA run's checkpoint holds only its adapter:
+export rebuilds the base model the run trained from (``model.name_or_path``) and writes the merged model, or with
+``--adapter`` the PEFT adapter folder (``PeftModel.from_pretrained(base, out_dir)``).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from grpo_accel.checkpoint import MARKER, CheckpointError
+
+logger = logging.getLogger(__name__)
+POLICY_PREFIX = "policy."
+LORA_KEY = ".lora_A."
+
+
+def checkpoint_state_dict(checkpoint: Path) -> dict:
+    """The full (consolidated) state dict of the prepared module in ``checkpoint``, on CPU, float32."""
+    ds_dir = checkpoint / "pytorch_model"
+    if ds_dir.is_dir():  # DeepSpeed: consolidate every rank's shards (stages 0-3)
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="pytorch_model")
+    weights = checkpoint / "model.safetensors"
+    if weights.is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(weights))
+    bin_weights = checkpoint / "pytorch_model.bin"
+    if bin_weights.is_file():
+        import torch
+
+        return torch.load(bin_weights, map_location="cpu", weights_only=True)
+    raise CheckpointError(f"checkpoint {checkpoint}: no model weights found (model.safetensors or pytorch_model/).")
+
+
+def policy_weights(state: dict) -> dict:
+    """The policy's entries of a GRPOLoss state dict, with their Hugging Face names."""
+    policy = {k[len(POLICY_PREFIX):]: v for k, v in state.items() if k.startswith(POLICY_PREFIX)}
+    return policy or state
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | None = None,
+                      adapter: bool = False) -> Path:
+    """Write the policy of ``checkpoint`` to ``out_dir`` as a transformers model folder (a LoRA run's merged model,
+    or with ``adapter`` its PEFT adapter folder); returns ``out_dir``."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from grpo_accel.lora import is_lora, merged_model
+
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    model = load_policy(checkpoint)
+    if adapter:
+        if not is_lora(model):
+            raise CheckpointError(f"checkpoint {checkpoint}: --adapter needs a LoRA run (model.lora.r > 0); this one "
+                                  "trained every weight: export it without --adapter.")
+        model.save_pretrained(out_dir)  # adapter_config.json + adapter_model.safetensors
+        logger.info("exported the LoRA adapter of %s -> %s", checkpoint, out_dir)
+        return out_dir
+    model = merged_model(model)
+    if dtype is not None:
+        model = model.to(getattr(torch, dtype))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if (checkpoint / "hf" / "tokenizer_config.json").is_file():
+        AutoTokenizer.from_pretrained(checkpoint / "hf").save_pretrained(out_dir)
+    logger.info("exported %s -> %s", checkpoint, out_dir)
+    return out_dir
+
+
+def load_policy(checkpoint: Path):
+    """The checkpoint's policy with its trained weights, on CPU in float32: a transformers model, or for a LoRA run
+    (whose checkpoint holds only the adapter) the PEFT model over the base the run trained from."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not (checkpoint / MARKER).is_file():
+        raise CheckpointError(f"{checkpoint} is not a complete checkpoint (no {MARKER} marker).")
+    state = policy_weights(checkpoint_state_dict(checkpoint))
+    if any(LORA_KEY in k for k in state):
+        return _lora_policy(checkpoint, state)
+    config = AutoConfig.from_pretrained(checkpoint / "hf")
+    model = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {checkpoint}: weights do not fit {config.model_type} "
+                              f"(missing {missing[:5]}, unexpected {unexpected[:5]}).")
+    return model
+
+
+def _lora_policy(checkpoint: Path, adapter_state: dict):
+    from grpo_accel.checkpoint import Checkpoint
+    from grpo_accel.recipe.checks import ConfigError
+    from grpo_accel.recipe.loading import build_section
+    from grpo_accel.recipe.parts import build_tokenizer_and_model, lora_policy
+    from grpo_accel.recipe.schema import ModelConfig
+
+    run = Checkpoint.read_metadata(checkpoint).get("user", {}).get("config")
+    if run is None:
+        raise CheckpointError(f"checkpoint {checkpoint} holds a LoRA adapter but not the run's config (metadata "
+                              "user.config), so its base model is unknown; export from a launch/train.py run.")
+    cfg = build_section(ModelConfig, run["model"], "model")
+    seed = run.get("trainer", {}).get("seed", 0)
+    try:
+        _, base = build_tokenizer_and_model(cfg, seed=seed)
+    except ConfigError as exc:
+        raise CheckpointError(f"checkpoint {checkpoint} holds only a LoRA adapter; its base model must load as in "
+                              f"training: {exc}") from exc
+    model = lora_policy(base, cfg.lora, seed)
+    wanted = {name for name, p in model.named_parameters() if p.requires_grad}
+    missing, unexpected = wanted - set(adapter_state), set(adapter_state) - set(model.state_dict())
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {checkpoint}: the adapter does not fit model.lora={run['model']['lora']} "
+                              f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}).")
+    model.load_state_dict(adapter_state, strict=False)
+    return model
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="a checkpoint folder (output_dir/checkpoints/step_*)")
+    parser.add_argument("out_dir", help="where to write the Hugging Face model folder")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights")
+    parser.add_argument("--adapter", action="store_true",
+                        help="LoRA runs: write the PEFT adapter folder instead of the merged model")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    try:
+        export_checkpoint(args.checkpoint, args.out_dir, args.dtype, adapter=args.adapter)
+    except CheckpointError as err:  # names the checkpoint and the fix: one line on stderr, exit 2, no traceback
+        parser.exit(2, f"error: {err}\n")
+    return 0

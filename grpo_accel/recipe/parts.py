@@ -1,0 +1,180 @@
+"""The parts a config's sections describe: tokenizer and model (with LoRA and a reference), the dataset's rows,
+the reward set, the multi-turn environment. :mod:`grpo_accel.recipe.build` wires them into a trainer."""
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+from pathlib import Path
+
+from grpo_accel.recipe.checks import ConfigError
+from grpo_accel.recipe.dataset import load_rows, validate_rows
+from grpo_accel.recipe.rollout_schema import RewardConfig, RolloutConfig
+from grpo_accel.recipe.schema import DataConfig, LoraConfig, ModelConfig
+from grpo_accel.rewards import BUILTIN_REWARDS, RewardSet, is_async_reward
+from grpo_accel.tasks import BUILTIN_TASKS
+
+
+def build_tokenizer_and_model(cfg: ModelConfig, seed: int = 0):
+    """(tokenizer, causal LM): the built-in tiny pair when ``name_or_path`` is None, else loaded from it."""
+    import torch
+
+    if cfg.name_or_path is None:
+        from grpo_accel.tasks.tiny import TinyModelSpec, build_char_tokenizer, build_tiny_model
+
+        tokenizer = build_char_tokenizer()
+        spec = TinyModelSpec(cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.intermediate_size)
+        return tokenizer, build_tiny_model(tokenizer, spec, seed=seed)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    key = f"model.name_or_path={cfg.name_or_path!r}"
+    local = Path(cfg.name_or_path).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise ConfigError(f"{key}: {local} has no config.json, so it is not a model folder; point it at a folder "
+                              "written by save_pretrained (or python -m grpo_accel.models smollm2-135m OUT).")
+    elif _looks_like_a_path(cfg.name_or_path):
+        raise ConfigError(f"{key}: no such folder (cwd {Path.cwd()}); point it at a model folder written by "
+                          "save_pretrained, e.g. python -m grpo_accel.models smollm2-135m runs/smollm2-135m.")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, padding_side="left")
+    except (OSError, ValueError) as exc:
+        where = (f"{local} has no tokenizer files (tokenizer.json or tokenizer_config.json and its vocabulary); save "
+                 f"them beside the model with tokenizer.save_pretrained('{local}')") if local.exists() else (
+                 "it is no folder here, and loading it as a Hugging Face hub id failed; use a model folder, or a "
+                 "hub id on a machine that reaches the hub")
+        raise ConfigError(f"{key}: {where} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}).") from exc
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, dtype=getattr(torch, cfg.dtype))
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) == 0 or not tokenizer("1+2=")["input_ids"]:
+        raise ConfigError(f"{key}: its tokenizer is empty (it encodes text to no tokens); save the model's own "
+                          "tokenizer beside it with tokenizer.save_pretrained.")
+    if len(tokenizer) > rows:
+        raise ConfigError(f"{key}: the tokenizer has {len(tokenizer)} tokens but the model embeds only {rows}; "
+                          "they do not belong together: save the model's own tokenizer beside it.")
+    return tokenizer, model
+
+
+def build_policy(cfg: ModelConfig, with_reference: bool, seed: int = 0):
+    """(tokenizer, policy, reference or None). With ``lora.r`` the policy is the model with a fresh LoRA adapter
+    and the reference is that model with its adapter off; otherwise the reference is a frozen copy."""
+    tokenizer, model = build_tokenizer_and_model(cfg, seed=seed)
+    reference = copy.deepcopy(model) if with_reference and not cfg.lora.r else None
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.lora.r:
+        from grpo_accel.lora import BasePolicy
+
+        model = lora_policy(model, cfg.lora, seed)
+        reference = BasePolicy(model) if with_reference else None
+    return tokenizer, model, reference
+
+
+def lora_policy(model, cfg: LoraConfig, seed: int):
+    """``model`` with a fresh LoRA adapter of ``cfg`` (:func:`grpo_accel.lora.apply_lora`); errors name the
+    ``model.lora`` keys."""
+    from grpo_accel.lora import apply_lora
+
+    try:
+        return apply_lora(model, r=cfg.r, alpha=cfg.alpha, dropout=cfg.dropout, target_modules=cfg.target_modules,
+                          seed=seed)
+    except ValueError as exc:
+        raise ConfigError(f"model.lora.{str(exc).removeprefix('apply_lora: ')}") from exc
+    except ImportError as exc:
+        raise ConfigError(f"model.lora.r={cfg.r}: {exc} Or set model.lora.r=0.") from exc
+
+
+def _looks_like_a_path(name: str) -> bool:
+    """Hub ids are "name" or "org/name"; anything else that does not exist here was meant as a folder."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name or name.endswith("/")
+
+
+def build_rows(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
+    """(training rows, held-out rows), validated; a built-in task when ``path`` is None."""
+    if cfg.path is None:
+        train, held_out = _builtin_task(cfg)
+        train = validate_rows(train, "prompt", f"built-in {cfg.task} task")
+    else:
+        train = load_rows(cfg.path, name=cfg.name, split=cfg.split, rename=cfg.rename_columns)
+        train, held_out = validate_rows(train, cfg.prompt_field, f"data.path={cfg.path!r}"), []
+    if cfg.eval_path is not None or cfg.eval_split is not None:
+        path, key = (cfg.eval_path, "data.eval_path") if cfg.eval_path is not None else (cfg.path, "data.path")
+        if path is None:
+            raise ConfigError(f"data.eval_split={cfg.eval_split!r}: the built-in task has no splits; set data.holdout.")
+        split = cfg.eval_split or "train"
+        held_out = load_rows(path, name=cfg.name, split=split, rename=cfg.rename_columns, key=key)
+        held_out = validate_rows(held_out, cfg.prompt_field, f"{key}={path!r} (split {split!r})")
+    return train, held_out
+
+
+def _builtin_task(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
+    module, _, name = BUILTIN_TASKS[cfg.task].partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)(cfg.max_operand, cfg.holdout)
+    except ValueError as exc:  # the task's own check of max_operand / holdout, naming its argument
+        raise ConfigError(f"data.{exc}") from exc
+
+
+def resolve_reward(name: str):
+    """A built-in reward function by name, or ``package.module:function``."""
+    if name in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[name]
+    return import_named(name, f"rewards name={name!r}", sorted(BUILTIN_REWARDS), "function")
+
+
+def import_named(name: str, key: str, builtins: list[str], kind: str):
+    """The object that ``package.module:attr`` names; errors start with ``key`` and list the ``builtins``."""
+    module, sep, attr = name.partition(":")
+    if not sep:
+        raise ConfigError(f"{key}: not a built-in {builtins}; for your own {kind} write 'package.module:{kind}'.")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"{key}: cannot import it ({exc}); check the module path and {kind} name (modules in the "
+                          "directory the run starts from are importable).") from exc
+
+
+def build_rewards(cfgs: list[RewardConfig]) -> RewardSet:
+    """The set of ``rewards`` (each entry: a function, a reward model or a reward service, with its limits)."""
+    return RewardSet({c.name: build_reward(c) for c in cfgs}, {c.name: c.weight for c in cfgs},
+                     {c.name: c.normalize for c in cfgs})
+
+
+def build_reward(c: RewardConfig):
+    """One reward entry as a reward function (see :mod:`grpo_accel.reward_sources`)."""
+    from grpo_accel import reward_sources as rs
+
+    names = {key: f"rewards[name={c.name}].{key}" for key in ("timeout_s", "fallback", "url", "api_key")}
+    if c.name == "reward_model":
+        return rs.RewardModel(c.name, c.path, batch_size=c.batch_size, dtype=c.dtype, **c.kwargs)
+    if c.name == "remote":
+        return rs.RemoteReward(c.name, c.url, timeout_s=c.timeout_s or 30.0, retries=c.retries,
+                               batch_size=c.batch_size, api_key=c.api_key, fallback=c.fallback, names=names)
+    fn = resolve_reward(c.name)
+    fn = functools.partial(fn, **c.kwargs) if c.kwargs else fn
+    if is_async_reward(fn):
+        return rs.AsyncReward(c.name, fn, timeout_s=c.timeout_s, fallback=c.fallback, names=names)
+    if c.processes:
+        return rs.TimedReward(c.name, fn, processes=c.processes, timeout_s=c.timeout_s or 10.0, fallback=c.fallback,
+                              names=names)
+    return fn
+
+
+def build_environment(rollout: RolloutConfig, data: DataConfig):
+    """The factory of multi-turn environments that ``rollout.environment`` names (a callable returning a fresh
+    :class:`~grpo_accel.rollout.episodes.Environment` per episode), or None (single turn)."""
+    name = rollout.environment
+    if name is None:
+        return None
+    if name == "calculator":
+        from grpo_accel.tasks.calculator import calculator_environment
+
+        return calculator_environment(data.system_prompt, rollout.tool_timeout_s, data.prompt_field)
+    factory = import_named(name, f"rollout.environment={name!r}", ["calculator"], "factory")
+    if not callable(factory):
+        raise ConfigError(f"rollout.environment={name!r} is a {type(factory).__name__}, not a callable that returns "
+                          "an Environment.")
+    return factory
+
