@@ -32,7 +32,7 @@ class RewardSource:
     """What the rewards here share beyond a function's call: the ``faults`` of their last call, per completion
     (``{"timeouts": [...], "errors": [...]}``), and ``close()`` (stop what they hold; nothing by default)."""
 
-    faults: dict[str, list[int]] = {"timeouts": [], "errors": []}
+    faults: dict[str, list[int]] = {"timeouts": [], "errors": []}  # replaced (never changed) by each call
 
     def close(self) -> None:
         """Stop what the reward holds (worker processes), once training is over."""
@@ -125,7 +125,6 @@ class TimedReward(RewardSource):
         self.names = names
         self.__signature__ = inspect.signature(fn)  # the columns it needs are checked at start as the function's
         self._workers: list[_Worker] = []
-        self.faults = {"timeouts": [], "errors": []}
 
     def __call__(self, prompts: list[str], completions: list[str], **fields) -> list[float]:
         n = len(completions)
@@ -203,7 +202,6 @@ class RemoteReward(RewardSource):
         self.client = HTTPClient("/".join(parts[:3]), api_key, timeout_s, retries, backoff_s=0.2,
                                  key_setting=setting(names, "api_key"))
         self.path = "/" + (parts[3] if len(parts) > 3 else "")
-        self.faults = {"timeouts": [], "errors": []}
 
     def __call__(self, prompts: list[str], completions: list[str], **fields) -> list[float]:
         from grpo_accel.http import ServerError
@@ -255,7 +253,7 @@ class RewardModel(RewardSource):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.name, self.batch_size, self.output_index, self.scale, self.max_length = (name, batch_size, output_index,
-                                                                                       scale, max_length)
+                                                                                      scale, max_length)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -266,7 +264,6 @@ class RewardModel(RewardSource):
         self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=getattr(torch, dtype))
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.to(self.device).eval().requires_grad_(False)
-        self.faults = {"timeouts": [], "errors": []}
 
     def texts(self, prompts: list[str], completions: list[str], prompt_messages=None) -> list[str]:
         """What the reward model reads: chat prompts through its own template, with the completion as the

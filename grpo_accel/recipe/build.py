@@ -72,9 +72,10 @@ def build_trainer(cfg: GRPOConfig):
         log.warning("trainer.total_frames=%d is rounded up to %d: batches are collected whole (%d prompts x %d = %d "
                     "completions)", t.total_frames, rounded, layout.prompts, layout.group_size, layout.completions)
         t.total_frames = rounded
-    checkpoint = Checkpoint(Path(cfg.output_dir) / "checkpoints", resume=c.resume, names={"resume": "checkpoint.resume"})
-    start_point(cfg, checkpoint, first_process())
-    fingerprints = data_fingerprints(cfg.data)  # read once: every checkpoint records them
+    checkpoint = Checkpoint(Path(cfg.output_dir) / "checkpoints", resume=c.resume,
+                            names={"resume": "checkpoint.resume"})
+    fingerprints = data_fingerprints(cfg.data)  # read once: a resume compares them, every checkpoint records them
+    start_point(cfg, checkpoint, fingerprints, first_process())
     rows, held_out = build_rows(cfg.data)
     if cfg.eval.every_iterations and not held_out:
         raise ConfigError(f"eval.every_iterations={cfg.eval.every_iterations}: there are no held-out rows; set "
@@ -171,8 +172,8 @@ def _sglang_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
                           "cannot free its GPU memory for training; start it with that flag, or set "
                           "rollout.colocate=false.")
     common = dict(api_key=r.api_key, admin_api_key=w.admin_api_key, bucket_mb=w.bucket_mb,
-                  dtype=getattr(torch, w.dtype), max_attempts=w.max_attempts, verify_tensors=w.verify_tensors, timeout_s=w.timeout_s,
-                  pause_mode=w.pause_mode, names=SGLANG_NAMES)
+                  dtype=getattr(torch, w.dtype), max_attempts=w.max_attempts, verify_tensors=w.verify_tensors,
+                  timeout_s=w.timeout_s, pause_mode=w.pause_mode, names=SGLANG_NAMES)
     if w.method == "distributed":
         from grpo_accel.sglang.from_distributed import DistributedWeightSender
 

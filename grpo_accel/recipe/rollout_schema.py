@@ -75,19 +75,19 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         check_choice("rollout.backend", self.backend, ("embedded", "sglang"))
         check_key(self.backend != "sglang" or bool(self.urls), "rollout.urls", self.urls,
-               "rollout.backend=sglang needs the server URLs, e.g. rollout.urls=[http://host:30000].")
+                  "rollout.backend=sglang needs the server URLs, e.g. rollout.urls=[http://host:30000].")
         check_rules("rollout", self, group_size="group_size", prompts_per_batch="positive_count",
-               max_new_tokens="positive_count", max_prompt_tokens="positive_count", temperature="temperature",
-               top_p="top_p", top_k="top_k", max_extra_rounds="non_negative_count", max_turns="max_turns",
-               max_episode_tokens="optional_count", tool_timeout_s="seconds", request_size="positive_count",
-               request_timeout_s="seconds", request_retries="non_negative_count")
+                    max_new_tokens="positive_count", max_prompt_tokens="positive_count", temperature="temperature",
+                    top_p="top_p", top_k="top_k", max_extra_rounds="non_negative_count", max_turns="max_turns",
+                    max_episode_tokens="optional_count", tool_timeout_s="seconds", request_size="positive_count",
+                    request_timeout_s="seconds", request_retries="non_negative_count")
         from grpo_accel.rollout.decode import DECODERS  # lazily: decode.py imports transformers
 
         check_choice("rollout.decoder", self.decoder, DECODERS)
         check_key(not self.embedded_worker or self.backend == "embedded", "rollout.embedded_worker", self.embedded_worker,
-               "a decode worker belongs to the embedded engine; set rollout.backend=embedded or drop it.")
+                  "a decode worker belongs to the embedded engine; set rollout.backend=embedded or drop it.")
         check_key(not self.colocate or self.backend == "sglang", "rollout.colocate", self.colocate,
-               "colocation shares the trainer's GPUs with SGLang servers; set rollout.backend=sglang or drop it.")
+                  "colocation shares the trainer's GPUs with SGLang servers; set rollout.backend=sglang or drop it.")
 
     @property
     def max_completion_tokens(self) -> int:
@@ -96,7 +96,6 @@ class RolloutConfig:
             return self.max_new_tokens
         turns = self.max_turns * self.max_new_tokens
         return turns if self.max_episode_tokens is None else min(turns, self.max_episode_tokens)
-
 
 
 @dataclass
@@ -132,17 +131,18 @@ class RewardConfig:
     """reward_model: the dtype it is loaded in (float32, bfloat16, float16)."""
 
     def __post_init__(self) -> None:
+        from grpo_accel.rewards import NORMALIZE  # the reward set's choices (lazily: it imports torch)
+
         key = f"rewards[name={self.name}]"
-        check_choice(f"{key}.normalize", self.normalize, ("none", "group", "batch"))
+        check_choice(f"{key}.normalize", self.normalize, NORMALIZE)
         check_key(self.name != "reward_model" or bool(self.path), f"{key}.path", self.path,
-               "a reward model needs its folder: path=DIR (a sequence-classification model and its tokenizer).")
+                  "a reward model needs its folder: path=DIR (a sequence-classification model and its tokenizer).")
         check_key(self.name != "remote" or bool(self.url), f"{key}.url", self.url,
-               "a reward service needs url=http://host:port/score (launch/reward_server.py serves one).")
+                  "a reward service needs url=http://host:port/score (launch/reward_server.py serves one).")
         check_key(self.processes >= 0, f"{key}.processes", self.processes, "must be >= 0 (0: in the trainer's process).")
         check_key(self.timeout_s is None or self.timeout_s > 0, f"{key}.timeout_s", self.timeout_s, "must be > 0 seconds.")
         check_key(self.batch_size >= 1, f"{key}.batch_size", self.batch_size, "must be >= 1.")
         check_choice(f"{key}.dtype", self.dtype, ("float32", "bfloat16", "float16"))
-
 
 
 @dataclass

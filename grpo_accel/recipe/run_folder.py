@@ -17,6 +17,8 @@ import socket
 import time
 from pathlib import Path
 
+from grpo_accel.recipe.checks import ConfigError
+from grpo_accel.recipe.loading import resume_conflicts, to_dict
 from grpo_accel.runtime import command_line
 
 logger = logging.getLogger(__name__)
@@ -26,15 +28,13 @@ LOCK_FILE = ".grpo_accel.lock"
 RUN_OUTPUTS = ("checkpoints", "tensorboard", "summary.json")
 
 
-def start_point(cfg, checkpoint, first_process: bool) -> Path | None:
+def start_point(cfg, checkpoint, fingerprints: dict[str, str], first_process: bool) -> Path | None:
     """Where a launched run starts, decided in one place before any model is built: the checkpoint to resume
-    (``checkpoint.resume``), whose saved settings must be this run's (``config.RESUME_MUST_MATCH``), or None for
-    a fresh run, which refuses a folder holding an earlier run's outputs unless ``overwrite=true`` (then the first
-    process deletes them). What only the built run knows (process count, ZeRO stage, parameter shapes, whole
-    files) :meth:`~grpo_accel.checkpoint.Checkpoint.verify` checks as the checkpoint loads."""
-    from grpo_accel.recipe.checks import ConfigError
-    from grpo_accel.recipe.loading import resume_conflicts, to_dict
-
+    (``checkpoint.resume``), whose saved settings (``loading.RESUME_MUST_MATCH``) and data (``fingerprints``:
+    :func:`data_fingerprints` of ``cfg.data``) must be this run's, or None for a fresh run, which refuses a folder
+    holding an earlier run's outputs unless ``overwrite=true`` (then the first process deletes them). What only the
+    built run knows (process count, ZeRO stage, parameter shapes, whole files)
+    :meth:`~grpo_accel.checkpoint.Checkpoint.verify` checks as the checkpoint loads."""
     out, resume = Path(cfg.output_dir), checkpoint.resume_path()
     if resume is not None:
         saved = checkpoint.read_metadata(resume)["user"]
@@ -42,7 +42,7 @@ def start_point(cfg, checkpoint, first_process: bool) -> Path | None:
         if conflicts:
             raise ConfigError(f"checkpoint {resume} was trained with other settings: {conflicts}; resume with the "
                               "same settings, or start a new run in another output_dir.")
-        changed = [k for k, v in data_fingerprints(cfg.data).items() if saved.get("data", {}).get(k, v) != v]
+        changed = [k for k, v in fingerprints.items() if saved.get("data", {}).get(k, v) != v]
         if changed:
             raise ConfigError(f"checkpoint {resume} was trained on other data: {', '.join(changed)} changed since "
                               "(size or content); resume on the data it was trained on, or start a new run in "

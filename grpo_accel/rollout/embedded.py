@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from grpo_accel import batch
 from grpo_accel.contracts import RolloutEngine
+from grpo_accel.distributed import zero3_collective
 from grpo_accel.logprobs import selected_logprobs
 from grpo_accel.rollout.decode import DECODERS
 from grpo_accel.rollout.sampling import KeyedSampler
@@ -111,8 +112,6 @@ class EmbeddedEngine(RolloutEngine):
     @property
     def collective(self) -> bool:
         """Whether every process must call :meth:`generate` together (ZeRO-3 partitions the weights over them)."""
-        from grpo_accel.distributed import zero3_collective
-
         return zero3_collective()
 
     @torch.no_grad()
@@ -164,9 +163,11 @@ class EmbeddedEngine(RolloutEngine):
                 self.model.train(was_training)
             version = self.weight_version
         completion_mask = (~batch.after_stop(completion, s.stop_ids)).long()  # [N, C]
-        finish = torch.where(batch.is_stop_token(completion, s.stop_ids).any(1), batch.FINISH_STOP, batch.FINISH_LENGTH)
+        stopped = batch.is_stop_token(completion, s.stop_ids).any(1)  # [N]
+        finish = torch.where(stopped, batch.FINISH_STOP, batch.FINISH_LENGTH)
+        completion = completion.where(completion_mask.bool(), s.pad_id)
         return batch.make_rollout(  # the lock keeps pushes out: every token is of one version
-            prompts=prompts, completions=(completion.where(completion_mask.bool(), s.pad_id).cpu(), completion_mask.cpu()),
+            prompts=prompts, completions=(completion.cpu(), completion_mask.cpu()),
             engine_logprobs=(logprobs * completion_mask).float().cpu(), finish_reason=finish.cpu(),
             weight_version=torch.full((completion.shape[0],), version), pad_id=s.pad_id)
 
@@ -215,5 +216,9 @@ def _contexts(ids: Tensor, mask: Tensor, rows: Tensor, suffix: tuple[Tensor, Ten
     """Each row's whole context: its prompt (``ids[rows[i]]``) followed by its suffix, left-padded again."""
     if suffix is None:
         return ids[rows], mask[rows]
-    joined = [torch.cat([ids[r][mask[r].bool()], s[m.bool()]]).tolist() for r, s, m in zip(rows.tolist(), *suffix)]
-    return batch.padded(joined, pad_id, "left")
+    joined, joined_mask = torch.cat([ids[rows], suffix[0]], 1), torch.cat([mask[rows], suffix[1]], 1)  # [N, L+S]
+    order = joined_mask.argsort(dim=1, stable=True)  # each row's padding first, then its tokens in their order
+    width = int(joined_mask.sum(1).max()) if rows.numel() else 0
+    keep = order[:, order.shape[1] - width :]  # [N, L']
+    out_mask = joined_mask.gather(1, keep)
+    return joined.gather(1, keep).masked_fill(out_mask == 0, pad_id), out_mask
