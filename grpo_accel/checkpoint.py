@@ -233,8 +233,6 @@ class Checkpoint:
         return deleted
 
 
-
-
 def module_signature(module) -> str:
     """:func:`parameter_signature` of a module's parameters at their full (unpartitioned) shapes."""
     return parameter_signature([(name, full_shape(p)) for name, p in module.named_parameters()])

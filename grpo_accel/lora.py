@@ -46,7 +46,7 @@ def apply_lora(model: nn.Module, *, r: int, alpha: float = 32.0, dropout: float 
                           if isinstance(m, LoraLayer) and (not isinstance(m, LoraLinear) or m.fan_in_fan_out)})
     if unsupported:
         raise ValueError(f"{key}: adapters on {unsupported} layers are not supported (only nn.Linear layers "
-                          "are merged for the engines); name linear layers only, or use all-linear.")
+                         "are merged for the engines); name linear layers only, or use all-linear.")
     return wrapped
 
 

@@ -46,8 +46,8 @@ if __name__ == "__main__":
     frames = int(sys.argv[1]) if len(sys.argv) > 1 else 1280
     trainer = main(frames)
     acc, collector = trainer.accelerator, trainer.collector
-    print(f"process {acc.process_index} of {acc.num_processes}: share {collector.rank} of {collector.layout.processes} of "
-          f"each batch, {trainer.frames} frames in all, mean reward {trainer.history[-1]['train/reward_mean']:.3f}",
+    print(f"process {acc.process_index} of {acc.num_processes}: share {collector.rank} of "
+          f"{collector.layout.processes} of each batch, {trainer.frames} frames in all, mean reward {trainer.history[-1]['train/reward_mean']:.3f}",
           flush=True)
     acc.wait_for_everyone()
     acc.end_training()

@@ -29,11 +29,8 @@ import sys
 import time
 
 import torch
-from bench_items import (  # launch/ is on the path: run as a script
-    items_table,
-    measure_items,
-    timed,
-)
+
+from bench_items import items_table, measure_items, timed  # launch/ is on the path: run as a script
 
 from grpo_accel import batch
 from grpo_accel.layout import BatchLayout
@@ -103,12 +100,7 @@ class BareLoop:
 def run(args) -> dict | None:
     """Measure; the result on the main process, None on the others."""
     from grpo_accel.deepspeed_config import preflight
-    from grpo_accel.distributed import (
-        full_numel,
-        launch_world_size,
-        make_accelerator,
-        zero_stage,
-    )
+    from grpo_accel.distributed import full_numel, launch_world_size, make_accelerator, zero_stage
     from grpo_accel.loss import GRPOLoss
     from grpo_accel.rewards import RewardSet, answer_match, format_match
     from grpo_accel.rollout.collector import GRPOCollector, score_rollout
@@ -201,12 +193,7 @@ def run(args) -> dict | None:
 
 def _tokenizer_and_model(args):
     """(tokenizer, model): a saved model folder (``--model``) or a built-in size (random weights)."""
-    from grpo_accel.tasks.tiny import (
-        TinyModelSpec,
-        build_char_tokenizer,
-        build_tiny_model,
-        build_tiny_qwen2,
-    )
+    from grpo_accel.tasks.tiny import TinyModelSpec, build_char_tokenizer, build_tiny_model, build_tiny_qwen2
 
     if args.model is not None:  # weights and tokenizer, e.g. from save_pretrained
         from grpo_accel.recipe.parts import build_tokenizer_and_model

@@ -149,7 +149,6 @@ class Server(Scheduling, WeightUpdates):
         self.failures: dict[str, list[str]] = {}
         self.requests: list[tuple[str, dict]] = []
 
-
     def server_info(self) -> dict:
         return {"tp_size": self.args.tp_size, "dp_size": self.args.dp_size, "pp_size": self.args.pp_size,
                 "enable_dp_attention": self.args.enable_dp_attention, "context_length": self.args.context_length,
@@ -162,8 +161,6 @@ class Server(Scheduling, WeightUpdates):
         return {"object": "list", "data": [{"id": self.args.model, "object": "model", "created": int(time.time()),
                                             "owned_by": "sglang", "root": self.args.model,
                                             "max_model_len": self.context_len}]}
-
-
 
 
 def make_handler(server: Server):

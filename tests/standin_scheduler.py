@@ -20,7 +20,6 @@ def bad_request(message: str) -> HTTPError:
     return HTTPError(400, {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400})
 
 
-
 class Req:
     """One sequence being generated (SGLang's ``Req``, srt/managers/schedule_batch.py). A retract keeps its
     output ids and logprobs (``reset_for_retract`` resets only the KV bookkeeping)."""
@@ -34,7 +33,6 @@ class Req:
         self.finish: dict | None = None
         self.done = threading.Event()
         self.start = time.monotonic()
-
 
 
 class Scheduling:

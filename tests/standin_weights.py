@@ -102,7 +102,6 @@ class TPRank:
         self.proc.join()
 
 
-
 class WeightUpdates:
     """The weight side of the stand-in's ``Server`` (SGLang's weight updater and its session manager)."""
 

@@ -94,7 +94,7 @@ def test_batch_layout_must_divide():
                                           r"128\) is not a multiple of trainer.gradient_accumulation_steps=2; .*one of "
                                           r"\[1, 2, 4, 8, 16, 32\], or auto"):
         batch_layout(load_config(None, ["trainer.gradient_accumulation_steps=2", "rollout.prompts_per_batch=8",
-                           "trainer.micro_batch_completions=128"]), 1)
+                                        "trainer.micro_batch_completions=128"]), 1)
     layout, micro = batch_layout(load_config(None, ["trainer.micro_batch_completions=32",
                                                     "trainer.gradient_accumulation_steps=2"]), 2)
     assert (layout.completions_per_process, layout.micro_batches(micro), layout.optimizer_steps(micro, 2)) == (64, 2, 1)

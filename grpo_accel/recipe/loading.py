@@ -139,7 +139,6 @@ def _describe(tp: Any) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
 
 
-
 # Settings a resumed run must share with its checkpoint (anything else, e.g. total_frames, may change).
 RESUME_MUST_MATCH = ("model.", "data.", "rollout.prompts_per_batch", "rollout.group_size", "rollout.max_new_tokens",
                      "rollout.temperature", "loss.", "rewards")

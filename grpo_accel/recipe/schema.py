@@ -37,8 +37,7 @@ class LoraConfig:
         check_key(self.alpha > 0, "model.lora.alpha", self.alpha, "use a positive scale such as 2 x r.")
         check_key(0 <= self.dropout < 1, "model.lora.dropout", self.dropout, "use a probability in [0, 1), e.g. 0.")
         check_key(bool(self.target_modules), "model.lora.target_modules", self.target_modules,
-               'use "all-linear" or a list of module names such as [q_proj, v_proj].')
-
+                  'use "all-linear" or a list of module names such as [q_proj, v_proj].')
 
 
 @dataclass
@@ -64,9 +63,8 @@ class ModelConfig:
         for key in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
             check_key(getattr(self, key) > 0, f"model.{key}", getattr(self, key), "must be a positive integer.")
         check_key(self.hidden_size % self.num_heads == 0, "model.num_heads", self.num_heads,
-               f"must divide model.hidden_size={self.hidden_size}.")
+                  f"must divide model.hidden_size={self.hidden_size}.")
         check_choice("model.dtype", self.dtype, ("float32", "bfloat16"))
-
 
 
 @dataclass
@@ -103,10 +101,10 @@ class DataConfig:
         check_key(self.max_operand >= 1, "data.max_operand", self.max_operand, "must be >= 1.")
         if self.task == "addition":
             check_key(0 <= self.holdout < (self.max_operand + 1) ** 2, "data.holdout", self.holdout,
-                   f"must leave training rows: use 0..{(self.max_operand + 1) ** 2 - 1}.")
+                      f"must leave training rows: use 0..{(self.max_operand + 1) ** 2 - 1}.")
         check_key(all(isinstance(k, str) and isinstance(v, str) for k, v in self.rename_columns.items()),
-               "data.rename_columns", self.rename_columns, "map column names to column names, e.g. {question: prompt}.")
-
+                  "data.rename_columns", self.rename_columns,
+                  "map column names to column names, e.g. {question: prompt}.")
 
 
 @dataclass
@@ -134,13 +132,12 @@ class LossConfig:
 
     def __post_init__(self) -> None:
         check_rules("loss", self, clip_eps_low="clip_epsilon", clip_eps_high="clip_epsilon", kl_coef="kl_coef",
-               tis_cap="tis_cap")
+                    tis_cap="tis_cap")
         from grpo_accel.loss import AGGREGATIONS, IMPORTANCE_LEVELS, KL_ESTIMATORS  # the registries are the choices
 
         check_choice("loss.kl_estimator", self.kl_estimator, tuple(KL_ESTIMATORS))
         check_choice("loss.aggregation", self.aggregation, tuple(AGGREGATIONS))
         check_choice("loss.importance_level", self.importance_level, tuple(IMPORTANCE_LEVELS))
-
 
 
 @dataclass
@@ -157,7 +154,6 @@ class OptimConfig:
     def __post_init__(self) -> None:
         check_key(self.lr > 0, "optim.lr", self.lr, "must be > 0.")
         check_key(len(self.betas) == 2, "optim.betas", self.betas, "give two values, e.g. [0.9, 0.99].")
-
 
 
 @dataclass
@@ -200,13 +196,12 @@ class GRPOTrainerConfig:
 
     def __post_init__(self) -> None:
         check_rules("trainer", self, total_frames="positive_count", num_epochs="positive_count",
-               gradient_accumulation_steps="positive_count", log_interval="positive_count",
-               weight_update_frequency="positive_count", optim_steps_per_batch="optional_count",
-               log_samples="log_samples", max_staleness="max_staleness")
+                    gradient_accumulation_steps="positive_count", log_interval="positive_count",
+                    weight_update_frequency="positive_count", optim_steps_per_batch="optional_count",
+                    log_samples="log_samples", max_staleness="max_staleness")
         check_key(self.micro_batch_completions == "auto" or self.micro_batch_completions >= 1,
-               "trainer.micro_batch_completions", self.micro_batch_completions, "must be >= 1 or auto.")
+                  "trainer.micro_batch_completions", self.micro_batch_completions, "must be >= 1 or auto.")
         check_choice("trainer.mixed_precision", self.mixed_precision, ("no", "bf16", "fp16"))
-
 
 
 @dataclass
@@ -220,7 +215,6 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         check_rules("eval", self, every_iterations="non_negative_count", k="positive_count")
-
 
 
 @dataclass
@@ -242,8 +236,7 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         check_rules("checkpoint", self, interval_frames="optional_count", keep_last="keep_last",
-               keep_best="non_negative_count", best_mode="best_mode")
-
+                    keep_best="non_negative_count", best_mode="best_mode")
 
 
 @dataclass
@@ -271,8 +264,8 @@ class GRPOConfig:
         names = [r.name for r in self.rewards]
         check_key(len(set(names)) == len(names), "rewards", names, "each reward function may appear once.")
         check_key(not (self.rollout.colocate and self.trainer.async_collection), "rollout.colocate", True,
-               "colocated servers free their memory while the trainer trains, so they cannot generate then; set "
-               "trainer.async_collection=false, or run the servers on GPUs of their own.")
+                  "colocated servers free their memory while the trainer trains, so they cannot generate then; set "
+                  "trainer.async_collection=false, or run the servers on GPUs of their own.")
         check_key(not self.rollout.embedded_worker or self.trainer.async_collection, "rollout.embedded_worker",
-               self.rollout.embedded_worker, "a decode worker runs beside training only with "
-               "trainer.async_collection=true (synchronous GRPO waits for generation anyway); set both or neither.")
+                  self.rollout.embedded_worker, "a decode worker runs beside training only with "
+                  "trainer.async_collection=true (synchronous GRPO waits for generation anyway); set both or neither.")

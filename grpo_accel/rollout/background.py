@@ -16,8 +16,8 @@ class BackgroundCollector:
     A batch is started only once a slot is free (the consumer took an earlier one), so with ``prefetch=1`` a
     batch is generated during the optimisation of the previous one: it is one weight version old when used.
     An exception in the thread is re-raised, as it was, in the consumer. The collector's engine must not share
-    weights
-    that the trainer is updating (give it a copy updated by a weight-sync sender, as with an inference server).
+    weights that the trainer is updating (give it a copy updated by a weight-sync sender, as with an inference
+    server).
     """
 
     def __init__(self, collector, prefetch: int = 1) -> None:

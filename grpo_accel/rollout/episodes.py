@@ -240,9 +240,9 @@ class EpisodeRunner:
         """Append each episode's new model turn (row i of ``td``), cut to the token budget."""
         if td is None:
             return
-        for ep, ids, mask, logp, reason, version, last in zip(episodes, td[batch.COMPLETION_IDS], td[batch.COMPLETION_MASK],
-                                                               td[batch.ENGINE_LOGPROBS], td[batch.FINISH_REASON],
-                                                               td[batch.WEIGHT_VERSION], td[batch.WEIGHT_VERSION_LAST]):
+        columns = (batch.COMPLETION_IDS, batch.COMPLETION_MASK, batch.ENGINE_LOGPROBS, batch.FINISH_REASON,
+                   batch.WEIGHT_VERSION, batch.WEIGHT_VERSION_LAST)
+        for ep, ids, mask, logp, reason, version, last in zip(episodes, *(td[key] for key in columns)):
             n = int(mask.sum())
             room = n if ep.room is None else max(0, min(n, ep.room - len(ep.tokens)))
             ep.turn_ids = ids[:room].tolist()
@@ -284,9 +284,9 @@ class EpisodeRunner:
         counts = TensorDict({"turns": count("turns"), "tool_calls": count("tool_calls"),
                              "tool_errors": count("tool_errors")}, batch_size=[len(episodes)])
         return batch.make_rollout(prompts=prompts, completions=[ep.tokens for ep in episodes],
-                              engine_logprobs=[ep.logprobs for ep in episodes], finish_reason=count("finish"),
-                              weight_version=count("version"), weight_version_last=count("last_version"),
-                              pad_id=self.engine.pad_id, model_mask=[ep.model for ep in episodes], episode=counts)
+                                  engine_logprobs=[ep.logprobs for ep in episodes], finish_reason=count("finish"),
+                                  weight_version=count("version"), weight_version_last=count("last_version"),
+                                  pad_id=self.engine.pad_id, model_mask=[ep.model for ep in episodes], episode=counts)
 
 def _step(ep: _Episode) -> Step:
     """``ep.env.step`` on the conversation so far, its answer checked: a :class:`Step` of chat messages and

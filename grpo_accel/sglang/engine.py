@@ -52,7 +52,7 @@ class _Completion:
 
 
 class SGLangEngine(RolloutEngine):
-    """The rollout engine protocol (``generate``, ``weight_version``, ``pad_id``) over SGLang servers.
+    """A :class:`~grpo_accel.contracts.RolloutEngine` over SGLang servers.
 
     Args:
         urls: one URL per engine replica (``http://host:port``).
@@ -132,7 +132,8 @@ class SGLangEngine(RolloutEngine):
             for j in range(group_size):
                 params = api.sampling_params(max(budget, 0), temperature, self.top_p, self.top_k,
                                              seed=(seed * group_size + j) % 2**31, stop_token_ids=self.stop_token_ids)
-                completions.append(_Completion(list(prompt), params, finish=batch.FINISH_LENGTH if budget <= 0 else None))
+                full = batch.FINISH_LENGTH if budget <= 0 else None  # no room left for a token
+                completions.append(_Completion(list(prompt), params, finish=full))
         self._run([c for c in completions if c.finish is None])
         return self._to_rollout(completions)
 
@@ -212,10 +213,10 @@ class SGLangEngine(RolloutEngine):
     def _to_rollout(self, completions: list[_Completion]) -> TensorDict:
         first = [c.first_version if c.first_version is not None else self.weight_version for c in completions]
         return batch.make_rollout(prompts=[c.prompt for c in completions], completions=[c.ids for c in completions],
-                              engine_logprobs=[c.logprobs for c in completions],
-                              finish_reason=[c.finish for c in completions], weight_version=first,
-                              weight_version_last=[max(c.last_version, f) for c, f in zip(completions, first)],
-                              pad_id=self.pad_id)
+                                  engine_logprobs=[c.logprobs for c in completions],
+                                  finish_reason=[c.finish for c in completions], weight_version=first,
+                                  weight_version_last=[max(c.last_version, f) for c, f in zip(completions, first)],
+                                  pad_id=self.pad_id)
 
 
 def _version(value) -> int:
