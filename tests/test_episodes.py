@@ -198,6 +198,7 @@ def test_later_turns_prefill_each_prompt_once_and_draw_what_whole_contexts_would
     prompts = runner.encode(ROWS)
     td, episodes = runner.run(ROWS, prompts, group_size=3, seeds=list(range(6)))
     assert max(ep.turns for ep in episodes) == 3
+
     class WholeContexts(RolloutEngine):  # the contract's continue_rows: each whole context through generate
         pad_id, max_new_tokens = engine.pad_id, engine.max_new_tokens
 
@@ -212,6 +213,12 @@ def test_later_turns_prefill_each_prompt_once_and_draw_what_whole_contexts_would
     runner.engine = engine
     assert torch.equal(runner.run(ROWS, prompts, group_size=1, greedy=True)[0][batch.COMPLETION_IDS],
                        greedy[batch.COMPLETION_IDS])
+    # one turn as a rollout: its prompts are the whole contexts, as the contract's default builds them
+    suffixes = [ep.tokens for ep in episodes[:5]]
+    turn = engine.continue_rows(prompts.ids[:2], [0, 0, 1, 1, 1], suffixes, keys=[3, 4, 5, 6, 7])
+    whole = WholeContexts().continue_rows(prompts.ids[:2], [0, 0, 1, 1, 1], suffixes, keys=[3, 4, 5, 6, 7])
+    for key in (batch.PROMPT_IDS, batch.PROMPT_MASK, batch.COMPLETION_IDS):
+        assert torch.equal(turn[key], whole[key]), key
 
 
 def test_budgets_cut_episodes_and_the_cut_answer_is_not_shown(tok):
