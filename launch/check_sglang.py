@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -74,17 +75,21 @@ def check(url: str, run: Path, api_key: str | None, admin_api_key: str | None) -
     checked, mismatched = 0, []
     for name, p in named[:3] + named[-1:]:
         try:
-            got = torch.tensor(admin.post(*api.get_weights_by_name(name, 4)))
+            answer = admin.post(*api.get_weights_by_name(name, 4))
         except ServerError as exc:
-            if api.WEIGHTS_BY_NAME_MISSING in str(exc):
-                verdicts.append(("weights", "SKIP", f"the served {info.url} model has no /get_weights_by_name"))
-                break
-            raise
-        want = p.detach().float().cpu()
-        want = want.reshape(-1)[: got.numel()] if want.dim() < 2 else want[: got.shape[0]]
+            if api.WEIGHTS_BY_NAME_MISSING not in str(exc):
+                raise
+            answer = None
+        ranks = answer if info.dp_ranks > 1 else [answer]  # one entry per dp rank (null: no such method)
+        if any(rows is None for rows in ranks):
+            verdicts.append(("weights", "SKIP", f"the served {info.url} model has no /get_weights_by_name"))
+            break
         checked += 1
-        if got.shape != want.shape or not torch.equal(got, want.reshape(got.shape)):
-            mismatched.append(name)
+        for rank, rows in enumerate(ranks):
+            got, want = torch.tensor(rows), p.detach().float().cpu()
+            want = want.reshape(-1)[: got.numel()] if want.dim() < 2 else want[: got.shape[0]]
+            if got.shape != want.shape or not torch.equal(got, want.reshape(got.shape)):
+                mismatched.append(f"{name} (dp rank {rank})" if info.dp_ranks > 1 else name)
     else:
         verdicts.append(("weights", "FAIL" if mismatched else "PASS",
                          f"{checked} parameters' first rows compared exactly at {dtype_name}"
@@ -93,7 +98,7 @@ def check(url: str, run: Path, api_key: str | None, admin_api_key: str | None) -
     gaps, agree, total = [], 0, 0
     for text in PROMPTS:
         ids = tokenizer(text)["input_ids"]
-        path, body = api.generate([ids], [api.sampling_params(16, 0.0, 1.0, 0, seed=None)])
+        path, body = api.generate([ids], [api.sampling_params(16, 0.0, 1.0, 0, seed=None)], [uuid.uuid4().hex])
         item = reader.post(path, body)[0]
         out = [int(t) for t in item["output_ids"]]
         served_lp = torch.tensor([float(v[0]) for v in item["meta_info"]["output_token_logprobs"]])

@@ -54,6 +54,19 @@ def model_dir(tmp_path_factory, tokenizer):
 
 
 @pytest.fixture(scope="session")
+def qwen_dir(tmp_path_factory, tokenizer):
+    """A tiny Qwen2: SGLang's Qwen2 does not implement /get_weights_by_name."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    return save_model(tmp_path_factory.mktemp("qwen2"), Qwen2ForCausalLM(config), tokenizer)
+
+
+@pytest.fixture(scope="session")
 def servers(model_dir):
     """The SGLang stand-ins (tests/sglang_standin.py) the tests share: one process per model and release (a start
     costs ~3 s), started at the first test that asks."""

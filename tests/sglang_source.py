@@ -11,6 +11,7 @@ fetched once with ``pip download --no-deps sglang==VERSION`` into ``$GRPO_ACCEL_
   validated by pydantic as FastAPI does (0.5.15+ with SGLang's msgspec-to-pydantic schema, srt/utils/msgspec_utils.py);
 - the auth decision (srt/utils/auth.py, a module SGLang keeps importable without torch);
 - the flattened-bucket layout (srt/weight_sync/tensor_bucket.py);
+- 0.5.23's per-token weight versions (srt/utils/weight_versions.py, with its msgspec_utils import given);
 - the /generate contract: sglang/api/v1/api_types.py (0.5.22+); before that the parameters of
   ``SamplingParams.__init__`` (srt/sampling/sampling_params.py);
 - facts that live in code paths needing a GPU, read from the source: the weight-update session guards
@@ -47,6 +48,9 @@ FILES = (
     "sglang/srt/sampling/sampling_params.py",
     "sglang/api/v1/api_types.py",
     "sglang/srt/managers/tokenizer_manager.py",
+    "sglang/srt/managers/scheduler_update_weights_mixin.py",  # 0.5.9: memory release and resume
+    "sglang/srt/utils/weight_versions.py",  # 0.5.23: per-token weight versions
+    "sglang/srt/arg_groups/parallel_hook.py",  # 0.5.23: --dp-size with --enable-dp-attention resolved
 )
 
 
@@ -101,15 +105,25 @@ class SGLangSource:
     def has(self, rel: str) -> bool:
         return (self.root / rel).exists()
 
-    def load_module(self, rel: str) -> types.ModuleType:
-        """Execute one file as a module of its own (no ``sglang`` package init, which needs the GPU stack)."""
+    def load_module(self, rel: str, imports: dict[str, types.ModuleType] | None = None) -> types.ModuleType:
+        """Execute one file as a module of its own (no ``sglang`` package init, which needs the GPU stack);
+        ``imports`` answers the file's own ``from sglang... import`` lines with modules loaded so."""
         name = f"sglang_src_{self.version.replace('.', '_')}_{Path(rel).stem}"
         if name in sys.modules:
             return sys.modules[name]
         spec = importlib.util.spec_from_file_location(name, self.root / rel)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
-        spec.loader.exec_module(module)
+        saved = {k: sys.modules.get(k) for k in imports or {}}
+        sys.modules.update(imports or {})
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            for key, old in saved.items():
+                if old is None:
+                    sys.modules.pop(key, None)
+                else:
+                    sys.modules[key] = old
         return module
 
     # -- code that runs here -----------------------------------------------------------------------------
@@ -131,6 +145,16 @@ class SGLangSource:
     @functools.cached_property
     def FlattenedTensorBucket(self):  # noqa: N802 (SGLang's class)
         return self.load_module("sglang/srt/weight_sync/tensor_bucket.py").FlattenedTensorBucket
+
+    @functools.cached_property
+    def weight_versions(self) -> types.ModuleType | None:
+        """srt/utils/weight_versions.py (0.5.23; None before): ``record_weight_version_events``,
+        ``compute_weight_version_spans``, ``add_weight_versions_to_meta_info``."""
+        rel = "sglang/srt/utils/weight_versions.py"
+        if not self.has(rel):
+            return None
+        utils = self.load_module("sglang/srt/utils/msgspec_utils.py")
+        return self.load_module(rel, imports={"sglang.srt.utils.msgspec_utils": utils})
 
     @functools.cached_property
     def routes(self) -> dict[str, Route]:
@@ -177,8 +201,18 @@ class SGLangSource:
             utils = self.load_module("sglang/srt/utils/msgspec_utils.py")
             module.__dict__.update(msgspec=msgspec, Base64Bytes=utils.Base64Bytes,
                                    msgspec_struct_pydantic_core_schema=utils.msgspec_struct_pydantic_core_schema)
+        if self.weight_versions is not None:  # 0.5.23's AbortReq carries weight-version spans
+            module.__dict__.update(WeightVersionSpans=self.weight_versions.WeightVersionSpans)
+        tree = ast.parse(source)
+        for node in tree.body:  # type aliases made of typing names (FinishReasonDict = Dict[...]); others skipped
+            if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets) \
+                    and isinstance(node.value, ast.Subscript):
+                try:
+                    exec(compile(ast.Module(body=[node], type_ignores=[]), "<io_struct alias>", "exec"), module.__dict__)
+                except NameError:
+                    pass
         sys.modules[module.__name__] = module
-        return module, {n.name: n for n in ast.parse(source).body if isinstance(n, ast.ClassDef)}
+        return module, {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
 
     def request_class(self, name: str) -> type:
         """An io_struct.py request class, built from its source (and its bases') on SGLang's own base classes.
@@ -296,6 +330,49 @@ class SGLangSource:
         return match.group(1)
 
     @functools.cached_property
+    def idle_counts_waiting(self) -> bool:
+        """Whether "idle" (a memory release's assertion, a flush) counts the waiting queue: 0.5.23's
+        ``is_fully_idle(ignore_waiting=<paused>)`` (scheduler_components/weight_updater.py) does, 0.5.9's
+        ``_is_no_request()`` (scheduler_update_weights_mixin.py) looks at the running batch alone."""
+        for rel in ("sglang/srt/managers/scheduler_components/weight_updater.py",
+                    "sglang/srt/managers/scheduler_update_weights_mixin.py"):
+            if self.has(rel):
+                release = _function_text(self.text(rel), "release_memory_occupation")
+                if "is_fully_idle(" in release:
+                    return True
+                if "_is_no_request()" in release:
+                    return False
+        raise RuntimeError(f"SGLang {self.version}: the memory release's idle check is not where it was")
+
+    @functools.cached_property
+    def release_idle_message(self) -> str:
+        """The assertion message of a memory release while requests run."""
+        import re
+
+        for rel in ("sglang/srt/managers/scheduler_components/weight_updater.py",
+                    "sglang/srt/managers/scheduler_update_weights_mixin.py"):
+            if self.has(rel):
+                match = re.search(r'"(release_memory_occupation should be called only when [^"]*)"', self.text(rel))
+                if match:
+                    return match.group(1)
+        raise RuntimeError(f"SGLang {self.version}: the memory release's assertion is not where it was")
+
+    @functools.cached_property
+    def dp_attention_is_attn_dp(self) -> bool:
+        """0.5.23 resolves ``--dp-size N --enable-dp-attention`` to ``attn_dp_size=N, dp_size=1`` and reports
+        ``enable_dp_attention`` from the width (srt/arg_groups/parallel_hook.py ``handle_deprecated_dp_attention``,
+        srt/server_args.py ``resolved_dict``); 0.5.9 reports the flags as given."""
+        rel = "sglang/srt/arg_groups/parallel_hook.py"
+        return self.has(rel) and "def handle_deprecated_dp_attention" in self.text(rel)
+
+    @functools.cached_property
+    def reports_startup_time(self) -> bool:
+        """``/server_info`` carries ``startup_time`` (0.5.23); 0.5.9 has its server args alone (``random_seed`` is
+        drawn at each start unless given)."""
+        text = self.text("sglang/srt/entrypoints/http_server.py")
+        return '"startup_time"' in _function_text(text, "server_info")
+
+    @functools.cached_property
     def weights_by_name_architectures(self) -> set[str]:
         """Model classes (srt/models/*.py) that implement ``get_weights_by_name`` themselves or by inheritance.
 
@@ -325,6 +402,13 @@ def _request_class(annotation: ast.expr) -> str | None:
         if token.endswith(("ReqInput", "Req")) and token[0].isupper():
             return token
     return None
+
+
+def _function_text(source: str, name: str) -> str:
+    """The source of the first function (or method) called ``name``."""
+    node = next((n for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and n.name == name), None)
+    return ast.get_source_segment(source, node) if node is not None else ""
 
 
 def _function_from_source(source: str, name: str, namespace: dict):

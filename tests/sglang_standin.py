@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import threading
 import time
@@ -86,7 +87,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sglang_source import SGLangSource  # noqa: E402
-from standin_scheduler import HTTPError, Req, Scheduling, bad_request  # noqa: E402
+from standin_scheduler import DPRank, HTTPError, Scheduling, bad_request  # noqa: E402
 from standin_weights import TPRank, WeightUpdates, digest  # noqa: E402
 
 
@@ -95,7 +96,7 @@ IMPLEMENTED = {"/health", "/health_generate", "/server_info", "/get_server_info"
                "/generate", "/flush_cache", "/pause_generation", "/continue_generation", "/init_weights_update_group",
                "/destroy_weights_update_group", "/update_weights_from_distributed", "/update_weights_from_disk",
                "/begin_weight_update", "/end_weight_update", "/get_weights_by_name", "/release_memory_occupation",
-               "/resume_memory_occupation"}
+               "/resume_memory_occupation", "/abort_request"}
 
 
 class Server(Scheduling, WeightUpdates):
@@ -105,29 +106,48 @@ class Server(Scheduling, WeightUpdates):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.source = source
-        self.model = AutoModelForCausalLM.from_pretrained(args.model).eval()
-        self.initial_weights = {name: p.detach().clone() for name, p in self.model.named_parameters()}
+        model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+        self.initial_weights = {name: p.detach().clone() for name, p in model.named_parameters()}
         self.tokenizer = AutoTokenizer.from_pretrained(args.model)
-        self.architecture = self.model.config.architectures[0]
+        self.architecture = model.config.architectures[0]
+        self.max_position_embeddings = model.config.max_position_embeddings
         self.lock = threading.Condition()
-        self.step_lock = threading.Lock()  # held by a decode step; control requests run between steps
+        self.control_pending = 0  # control requests waiting to run between steps
         self.groups: dict[str, object] = {}
         self.tp_ranks: list[TPRank] = []
         self.in_flight = 0  # requests being answered, test control included
         self.unhang = threading.Event()
+        self.unhold = threading.Event()
+        self.all_ranks: list = []
         self.reset(args)
+        self._all_ranks_from(model)
         # The server's own default group (its tensor-parallel group; one rank here): SGLang's WeightUpdater
         # asserts it exists before joining a weight-update group.
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        threading.Thread(target=self._schedule, name="scheduler", daemon=True).start()
+
+    def _all_ranks_from(self, model) -> None:
+        """dp ranks as the flags ask (a reset to fewer leaves the others idle; to more makes them)."""
+        import copy
+
+        while len(self.all_ranks) < self.args.dp_size:
+            self.all_ranks.append(DPRank(self, len(self.all_ranks), model if not self.all_ranks else copy.deepcopy(model)))
+        self.dp_ranks = self.all_ranks[: self.args.dp_size]
+        for rank in self.all_ranks:
+            with rank.step_lock, self.lock:  # between its steps: nothing of an earlier test is left in a batch
+                rank.reset()
+                with torch.no_grad():
+                    for name, p in rank.model.named_parameters():
+                        p.copy_(self.initial_weights[name])
+
+    @property
+    def model(self):
+        return self.dp_ranks[0].model
 
     def reset(self, args: argparse.Namespace) -> None:
         """The state at a start with ``args`` (test control: POST /_standin/reset); every weight-update group is
         destroyed."""
         self.args, self.ready_at = args, time.monotonic() + args.startup_delay
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                p.copy_(self.initial_weights[name])
+        self.startup_time, self.random_seed = time.time(), args.random_seed or random.randint(0, 1 << 30)
         for group in self.groups.values():
             dist.destroy_process_group(group)
         if len(self.tp_ranks) != args.tp_size - 1:
@@ -137,24 +157,42 @@ class Server(Scheduling, WeightUpdates):
         for rank in self.tp_ranks:
             rank.send("reset")
             rank.reply()
-        self.context_len = args.context_length or self.model.config.max_position_embeddings
+        self.context_len = args.context_length or self.max_position_embeddings
         self.weight_version, self.loads = "default", 0
         self.is_pause = self.engine_paused = False  # the tokenizer manager's and the scheduler's
-        self.running: list[Req] = []  # the running batch
-        self.waiting: list[Req] = []  # retracted requests
         self.generating = 0  # /generate calls holding the reader lock
+        self._next_rank = 0  # the data-parallel controller's round robin
         self.counts = {"sampled": 0, "returned": 0, "aborted": 0, "retracted": 0}
+        self.peak = {"kv_tokens": 0, "running": 0, "waiting": 0}
         self.released: set[str] = set()  # --enable-memory-saver: the memory tags given back
+        self.backup: list[dict] | None = None  # --enable-weights-cpu-backup: the weights at their release
         self.groups, self.session_open = {}, False
         self.failures: dict[str, list[str]] = {}
         self.requests: list[tuple[str, dict]] = []
+        if self.all_ranks:
+            self._all_ranks_from(self.model)
 
     def server_info(self) -> dict:
-        return {"tp_size": self.args.tp_size, "dp_size": self.args.dp_size, "pp_size": self.args.pp_size,
-                "enable_dp_attention": self.args.enable_dp_attention, "context_length": self.args.context_length,
-                "enable_memory_saver": self.args.enable_memory_saver,
-                "enable_deterministic_inference": self.args.deterministic, "version": self.source.version_string,
-                "model_path": self.args.model}
+        """Server args (as 0.5.23 resolves dp attention), the scheduler's init info (``max_total_num_tokens``,
+        ``max_req_input_len``: srt/managers/scheduler.py ``run_scheduler_process`` / ``get_init_info``) and the
+        internal state of each dp rank."""
+        a = self.args
+        dp, attn_dp = a.dp_size, 1
+        if self.source.dp_attention_is_attn_dp and a.enable_dp_attention:
+            dp, attn_dp = 1, a.dp_size
+        info = {"tp_size": a.tp_size, "dp_size": dp, "pp_size": a.pp_size, "enable_dp_attention": a.enable_dp_attention,
+                "context_length": a.context_length, "enable_memory_saver": a.enable_memory_saver,
+                "enable_weights_cpu_backup": a.enable_weights_cpu_backup, "max_total_tokens": a.max_total_tokens,
+                "max_running_requests": a.max_running_requests, "random_seed": self.random_seed,
+                "enable_deterministic_inference": a.deterministic, "version": self.source.version_string,
+                "model_path": a.model, "status": "ready", "max_total_num_tokens": a.max_total_tokens,
+                "max_req_input_len": self.max_req_len - 5,
+                "internal_states": [{"effective_max_running_requests_per_dp": r.max_running} for r in self.dp_ranks]}
+        if self.source.dp_attention_is_attn_dp:
+            info["attn_dp_size"] = attn_dp
+        if self.source.reports_startup_time:
+            info["startup_time"] = self.startup_time
+        return info
 
     def models(self) -> dict:
         """``available_models``: the served model's card (srt/entrypoints/http_server.py)."""
@@ -246,7 +284,7 @@ def make_handler(server: Server):
                 return {"model_path": s.args.model, "weight_version": s.weight_version, "is_generation": True,
                         "architectures": [s.architecture]}
             if path == "/flush_cache":
-                if s.running:
+                if not s.idle():
                     raise HTTPError(400, "Flush cache failed.\n")
                 return "Cache flushed.\n"
             if path == "/generate":
@@ -257,6 +295,13 @@ def make_handler(server: Server):
             if path == "/v1/models":
                 return s.models()
             req = self._validated(route, body)
+            if how == "hold":  # test control: the call takes effect, its answer waits for /_standin/unhold
+                answer = self._route(path, body, route)
+                s.unhold.wait()
+                return answer
+            if path == "/abort_request":
+                s.abort_request(None if req.abort_all else req.rid)
+                return ""
             if path == "/pause_generation":
                 s.pause(req.mode)
                 return {"message": "Generation paused successfully.", "status": "ok"}
@@ -268,7 +313,8 @@ def make_handler(server: Server):
             if path == "/get_weights_by_name":
                 return s.weights_by_name(req)
             if path in ("/release_memory_occupation", "/resume_memory_occupation"):
-                return s.memory(path.startswith("/release"), req.tags)
+                s.memory(path.startswith("/release"), req.tags)
+                return ""
             if path == "/init_weights_update_group" and how == "hang":  # SGLang's join has no timeout
                 s.unhang.wait()  # set by a reset (test control)
                 raise HTTPError(503, {"error": "hung join ended by a reset"})
@@ -278,7 +324,7 @@ def make_handler(server: Server):
                 "/begin_weight_update": lambda: s.session(begin=True),
                 "/end_weight_update": lambda: s.session(begin=False),
                 "/update_weights_from_distributed": lambda: s.update_distributed(req, how),
-                "/update_weights_from_disk": lambda: s.update_disk(req),
+                "/update_weights_from_disk": lambda: s.update_disk(req, how),
             }[path]()
             if not answer["success"]:  # every weight endpoint answers a failure with 400 and the same body
                 raise HTTPError(400, answer)
@@ -295,10 +341,12 @@ def make_handler(server: Server):
                         "params": {n: p.tolist() for n, p in s.model.named_parameters()}}
             if path == "/_standin/reset":
                 s.unhang.set()  # a hung join answers and ends
+                s.unhold.set()
                 deadline = time.monotonic() + 5
                 while s.in_flight > 1 and time.monotonic() < deadline:  # this request is one
                     time.sleep(0.05)
                 s.unhang.clear()
+                s.unhold.clear()
                 if s.in_flight > 1:
                     raise HTTPError(409, {"error": "a request is in flight: restart the stand-in instead"})
                 a = s.args  # the same model and release, with the flags the next server would have been given
@@ -307,8 +355,16 @@ def make_handler(server: Server):
                 return {"ok": True}
             if path == "/_standin/digest":  # for models too large to list
                 return {n: digest(p) for n, p in s.model.named_parameters()}
-            if path == "/_standin/counts":  # tokens sampled, returned, aborted, retracted; the queues now
-                return {**s.counts, "running": len(s.running), "waiting": len(s.waiting)}
+            if path == "/_standin/counts":  # tokens sampled, returned, aborted, retracted; the queues now and at most
+                with s.lock:
+                    return {**s.counts, "running": sum(len(r.running) + len(r.stepping) for r in s.dp_ranks),
+                            "waiting": sum(len(r.waiting) for r in s.dp_ranks), "peak": dict(s.peak),
+                            "released": sorted(s.released)}
+            if path == "/_standin/unhold":  # answers the calls held by how="hold"
+                s.unhold.set()
+                return {"ok": True}
+            if path == "/_standin/dp_digests":  # each dp rank's weights
+                return [{n: digest(p) for n, p in rank.model.named_parameters()} for rank in s.dp_ranks]
             if path == "/_standin/tp_digests":  # what each TP rank past the first received, by name
                 for rank in s.tp_ranks:
                     rank.send("digests")
@@ -339,6 +395,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tp-size", type=int, default=1, help="ranks 2..N are processes of their own")
     parser.add_argument("--context-length", type=int, help="default: the model's max_position_embeddings")
     parser.add_argument("--decode-delay", type=float, default=0.0, help="seconds per decode step at least")
+    parser.add_argument("--max-total-tokens", type=int, default=16384, help="each dp rank's KV pool, in tokens")
+    parser.add_argument("--max-running-requests", type=int, help="default: half the pool, at most 2048-4096")
+    parser.add_argument("--schedule-conservativeness", type=float, default=1.0)
+    parser.add_argument("--enable-weights-cpu-backup", action="store_true")
+    parser.add_argument("--random-seed", type=int)
     parser.add_argument("--startup-delay", type=float, default=0.0)
     parser.add_argument("--host", default="127.0.0.1")
     return parser.parse_args(argv)

@@ -62,7 +62,7 @@ def standin_server(model_dir, *extra: str, version: str = NEWEST):
 class SharedServers:
     """Stand-ins shared by the tests of a module, one process per (model folder, release), started by ``start``
     or at first use; each use resets it (``POST /_standin/reset``) to a fresh server started with the flags it
-    names. One that still has a request in flight (a test that failed midway) is restarted."""
+    names. One that still has a request in flight (a test that failed midway), or that died, is restarted."""
 
     def __init__(self) -> None:
         self._servers: dict[tuple[str, str], StandIn] = {}
@@ -72,6 +72,9 @@ class SharedServers:
             self._servers[str(model_dir), version] = StandIn(model_dir, version=version)
 
     def get(self, model_dir, *flags: str, version: str = NEWEST) -> str:
+        known = self._servers.get((str(model_dir), version))
+        if known is not None and known.proc.poll() is not None:  # it died (as SGLang dies) in an earlier test
+            self._servers.pop((str(model_dir), version)).stop()
         self.start(model_dir, version)
         url = self._servers[str(model_dir), version].wait_healthy()
         try:
@@ -88,11 +91,12 @@ class SharedServers:
 
 
 def control(url: str, path: str, body: dict | None = None):
-    """POST (with a body) or GET a stand-in route; the JSON answer."""
+    """POST (with a body) or GET a stand-in route; the JSON answer (None for an empty one)."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as response:
-        return json.loads(response.read())
+        text = response.read()
+        return json.loads(text) if text else None
 
 
 def fail_next(url: str, path: str, how: str = "success_false", times: int = 1) -> None:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from sglang_source import SGLangSource
-from standin_scheduler import HTTPError
+from standin_scheduler import HTTPError, die
 
 PARTIAL = "The full weights of the ModelRunner are partially updated. Please discard the whole weights."
 
@@ -178,11 +178,13 @@ class WeightUpdates:
             if how == "success_false":
                 return {"success": False, "message": f"Failed to update parameter online: injected. {PARTIAL}"}
             if how == "ignore":  # a broken server: claims the update, keeps its weights
-                self.weight_version = str(req.weight_version) if req.weight_version is not None else self.weight_version
+                if req.weight_version is not None:
+                    with self.lock:
+                        self.record_weight_version(str(req.weight_version))
                 return {"success": True, "message": "Succeeded to update parameter online."}
-            return self._load(dict(tensors), req.flush_cache, req.weight_version)
+            return self._load(dict(tensors), req.flush_cache, req.weight_version, how)
 
-    def update_disk(self, req) -> dict:
+    def update_disk(self, req, how: str | None) -> dict:
         from safetensors.torch import load_file
 
         files = sorted(Path(req.model_path).glob("*.safetensors"))
@@ -193,57 +195,95 @@ class WeightUpdates:
         for f in files:
             state.update(load_file(str(f)))
         with self._writer():
-            return {**self._load(state, req.flush_cache, req.weight_version), "num_paused_requests": 0}
+            return {**self._load(state, req.flush_cache, req.weight_version, how),
+                    "num_paused_requests": 0}
 
     def memory(self, release: bool, tags: list[str] | None) -> None:
         """``release_memory_occupation`` / ``resume_memory_occupation`` (0.5.9
-        srt/managers/scheduler_update_weights_mixin.py): no tags means all; released weights lose their values
-        (here: NaN); no-ops without --enable-memory-saver."""
+        srt/managers/scheduler_update_weights_mixin.py, 0.5.23 scheduler_components/weight_updater.py): no tags
+        means all; no-ops without --enable-memory-saver. Where SGLang's scheduler raises or touches freed memory,
+        the server dies: a release while requests run (its assertion; 0.5.23 counts the waiting queue unless paused),
+        a release of what is already released (weights: ``_export_static_state`` reads the freed weights; the other
+        tags are held to the same rule), a resume of a tag not released (``offload_tags.remove``). Resumed weights
+        hold garbage, unless --enable-weights-cpu-backup kept a copy at their release."""
         if not self.args.enable_memory_saver:
             return
-        tags = tags or ["kv_cache", "weights", "cuda_graph"]  # GPU_MEMORY_ALL_TYPES, srt/constants.py
-        if release:
-            if self.running or self.generating:
-                raise HTTPError(500, {"error": {"message": "release_memory_occupation should be called only when "
-                                                           "no ongoing request."}})
-            self.released |= set(tags)
+        tags = set(tags or ["kv_cache", "weights", "cuda_graph"])  # GPU_MEMORY_ALL_TYPES, srt/constants.py
+        with self.between_steps(), self.lock:
+            if release:
+                if not self.idle():
+                    die(f"AssertionError: {self.source.release_idle_message}")
+                if tags & self.released:
+                    die(f"release_memory_occupation of {sorted(tags & self.released)}, already released")
+                self.released |= tags
+                if "weights" in tags:
+                    if self.args.enable_weights_cpu_backup:
+                        self.backup = [{n: p.detach().clone() for n, p in r.model.named_parameters()}
+                                       for r in self.dp_ranks]
+                    self._fill(lambda p: torch.full_like(p, float("nan")))  # freed: nothing may read it
+                return
+            missing = sorted(tags - self.released)
+            if missing:
+                die(f"KeyError: {missing[0]!r} (resume_memory_occupation of a tag that is not released)")
+            self.released -= tags
             if "weights" in tags:
-                with torch.no_grad(), self.step_lock:
-                    for p in self.model.parameters():
-                        p.fill_(float("nan"))
-            return
-        missing = [t for t in tags if t not in self.released]
-        if missing:  # self.offload_tags.remove(tag)
-            raise HTTPError(500, {"error": {"message": f"KeyError: {missing[0]!r}"}})
-        self.released -= set(tags)
+                if self.backup is not None:
+                    for rank, saved in zip(self.dp_ranks, self.backup):
+                        with torch.no_grad():
+                            for n, p in rank.model.named_parameters():
+                                p.copy_(saved[n])
+                    self.backup = None
+                else:
+                    self._fill(lambda p: torch.randn_like(p) * 100)  # whatever the memory held
 
-    def _load(self, state: dict, flush_cache: bool, weight_version) -> dict:
+    def _fill(self, value) -> None:
+        with torch.no_grad():
+            for rank in self.dp_ranks:
+                for p in rank.model.parameters():
+                    p.copy_(value(p))
+
+    def _load(self, state: dict, flush_cache: bool, weight_version, how: str | None = None) -> dict:
+        """Load ``state`` into every dp rank's model (how="ignore_dp1": dp rank 1 keeps its weights, a broken
+        server), between steps; the version change is recorded; the flush fails unless idle."""
         if "weights" in self.released:
-            raise HTTPError(500, {"error": {"message": "loading weights into released memory (resume_memory_occupation "
-                                                       "with tags [weights] first)"}})
-        params = dict(self.model.named_parameters())
-        with self.step_lock:  # between decode steps, as the scheduler handles it
-            for name, t in state.items():
-                if name not in params or tuple(params[name].shape) != tuple(t.shape):
-                    return {"success": False, "message": f"Failed to update parameter online: {name} "
-                                                         f"{tuple(t.shape)} does not fit the model. {PARTIAL}"}
-                with torch.no_grad():
-                    params[name].copy_(t.to(params[name].dtype))
-        self.loads += 1
-        if weight_version is not None:
-            self.weight_version = str(weight_version)
-        if flush_cache and self.running:
+            die("loading weights into released memory (illegal memory access)")
+        with self.between_steps():
+            for index, rank in enumerate(self.dp_ranks):
+                params = dict(rank.model.named_parameters())
+                for name, t in state.items():
+                    if name not in params or tuple(params[name].shape) != tuple(t.shape):
+                        return {"success": False, "message": f"Failed to update parameter online: {name} "
+                                                             f"{tuple(t.shape)} does not fit the model. {PARTIAL}"}
+                    if how == "ignore_dp1" and index == 1:
+                        continue
+                    with torch.no_grad():
+                        params[name].copy_(t.to(params[name].dtype))
+            with self.lock:
+                self.loads += 1
+                if weight_version is not None:
+                    self.record_weight_version(str(weight_version))
+                idle = self.idle()
+        if flush_cache and not idle:
             return {"success": False, "message": "Weights were updated, but the cache was not flushed because "
                                                  "requests are still running or queued."}
         return {"success": True, "message": "Succeeded to update parameter online."}
 
     def weights_by_name(self, req):
-        if self.architecture not in self.source.weights_by_name_architectures:
-            raise HTTPError(400, {"error": {"message": "Get parameter by name failed"}})
-        params = dict(self.model.named_parameters())
-        if req.name not in params:
-            raise HTTPError(400, {"error": {"message": "Get parameter by name failed"}})
-        return params[req.name].detach().float().tolist()[: req.truncate_size]
+        """``TokenizerManager.get_weights_by_name``: one dp rank's rows, else a list with one entry per dp rank,
+        None where the model class lacks the method (the HTTP route answers a lone None with 400)."""
+        if "weights" in self.released:
+            die("get_weights_by_name read released weights (illegal memory access)")
+        supported = self.architecture in self.source.weights_by_name_architectures
+        values = []
+        for rank in self.dp_ranks:
+            params = dict(rank.model.named_parameters())
+            found = supported and req.name in params
+            values.append(params[req.name].detach().float().tolist()[: req.truncate_size] if found else None)
+        if len(values) == 1:
+            if values[0] is None:
+                raise HTTPError(400, {"error": {"message": "Get parameter by name failed"}})
+            return values[0]
+        return values
 
     def _writer(self):
         """An update waits for in-flight requests unless generation is paused (the tokenizer manager's

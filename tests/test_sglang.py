@@ -11,23 +11,10 @@ from grpo_accel.http import HTTPClient, ServerError
 from grpo_accel.logprobs import sequence_logprobs
 from grpo_accel.recipe.build import SGLANG_NAMES
 from grpo_accel.sglang.engine import SGLangEngine
-from conftest import save_model
 from launching import free_port
 from sglang_source import VERSIONS
 from standin import NEWEST, control, fail_next, server_state
 from trainer_utils import reset_accelerate_state
-
-
-@pytest.fixture(scope="module")
-def qwen_dir(tmp_path_factory, tokenizer):
-    """A tiny Qwen2: SGLang's Qwen2 does not implement /get_weights_by_name."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    return save_model(tmp_path_factory.mktemp("qwen2"), Qwen2ForCausalLM(config), tokenizer)
 
 
 @pytest.fixture

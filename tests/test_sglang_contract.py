@@ -23,8 +23,11 @@ def every_request(session: bool):
     """One call of every body builder the client has, with realistic arguments."""
     requests = [
         api.generate([[1, 2, 3], [1, 2, 3]], [api.sampling_params(8, 0.7, 0.9, 0, seed=5),
-                                              api.sampling_params(8, 0.0, 1.0, 20, seed=None, stop_token_ids=[5, 9])]),
-        api.prompt_logprobs(list(range(1, 33))),
+                                              api.sampling_params(8, 0.0, 1.0, 20, seed=None, stop_token_ids=[5, 9])],
+                     ["3f2a", "3f2b"]),
+        api.prompt_logprobs(list(range(1, 33))), api.prompt_logprobs(list(range(1, 33)), dp_rank=1),
+        api.abort_request("3f2a"), api.release_memory_occupation(list(api.MEMORY_TAGS)),
+        api.resume_memory_occupation(["kv_cache"]),
         *(api.pause_generation(mode) for mode in api.PAUSE_MODES), api.continue_generation(),
         api.init_weights_update_group("10.0.0.1", 29600, 1, 3, "weight_update_group-ab12cd34-1", "nccl"),
         api.destroy_weights_update_group("weight_update_group-ab12cd34-1"),

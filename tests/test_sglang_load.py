@@ -46,22 +46,24 @@ def generated(url: str) -> int:
 # ------------------------------------------------------------------------------------------ partial rollouts
 
 
-@pytest.mark.parametrize("mode", ["retract", "abort"])
+@pytest.mark.parametrize("mode, version", [("retract", NEWEST), ("abort", NEWEST), ("abort", VERSIONS[0])])
 def test_pushes_during_generation_lose_no_token_and_each_token_keeps_its_weights_logprob(
-        accelerator, model_dir, servers, tokenizer, mode):
+        accelerator, model_dir, servers, tokenizer, mode, version):
     """Three pushes land while 16 completions are generated in 4 requests. Every token the server drew is in the
     rollout (retract: the server keeps them; abort: they come back cut short and are continued); a row records
-    the oldest and newest weights of its tokens, and every token's logprob is that of one of those versions."""
+    the oldest and newest weights of its tokens, and every token's logprob is that of one of those versions. 0.5.23
+    says which version drew each token (meta_info.weight_versions), so the engine reads /model_info only before
+    its first request; 0.5.9 before each."""
     from transformers import AutoModelForCausalLM
 
-    url = servers.get(model_dir, "--deterministic", "--decode-delay", "0.08")
+    url = servers.get(model_dir, "--deterministic", "--decode-delay", "0.08", version=version)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     sender = distributed_sender(accelerator, model, [url], pause_mode=mode)
     engine = SGLangEngine([url], tokenizer, max_new_tokens=16, request_size=4)
     versions = {0: copy.deepcopy(model)}
 
     def push_while_generating():
-        while generated(url) == 0:
+        while control(url, "/_standin/counts")["running"] < 4:  # a request of ours is being generated
             time.sleep(0.02)
         for version in (1, 2, 3):
             with torch.no_grad():
@@ -83,6 +85,8 @@ def test_pushes_during_generation_lose_no_token_and_each_token_keeps_its_weights
     first, last = td[batch.WEIGHT_VERSION], td[batch.WEIGHT_VERSION_LAST]
     assert (last > first).any() and int(last.max()) <= 3, "partial rollouts, recorded as such"
     requests = sum(path == "/generate" for path, _ in server_state(url)["requests"])
+    reads = sum(path == "/model_info" for path, _ in server_state(url)["requests"])
+    assert reads == (0 if version == NEWEST else requests), "per-token versions where the server gives them"
     if mode == "retract":
         assert counts["aborted"] == 0 and counts["retracted"] > 0 and requests == 4
     else:
@@ -101,28 +105,38 @@ def test_pushes_during_generation_lose_no_token_and_each_token_keeps_its_weights
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_requests_stay_inside_the_servers_context(model_dir, servers, tokenizer, version):
+def test_requests_stay_inside_the_servers_context_and_its_schedulers_limits(model_dir, servers, tokenizer, version):
+    """SGLang's two sets of limits, each as its source has it: the tokenizer manager's context rule, and the
+    scheduler's max_req_len = min(context - 1, pool - 1) with max_req_input_len = max_req_len - 5 (a longer prompt
+    fails the whole request with 400, max_new_tokens is cut without a word). The engine keeps every sequence within
+    max_req_input_len, so that a pool smaller than the context refuses nothing."""
     url = servers.get(model_dir, "--deterministic", "--context-length", "24", version=version)
     client = HTTPClient(url, retries=0)
-    # SGLang's own rule: 0.5.9 refuses a request that fills the context, 0.5.23 only one that overflows it
-    full = {"input_ids": [7] * 16, "sampling_params": {"max_new_tokens": 8}}
+    info = client.get("/server_info")
+    assert (info["max_total_num_tokens"], info["max_req_input_len"]) == (16384, 18)
+    # SGLang's own rule: 0.5.9 refuses a request that fills the context, 0.5.23 only one that overflows it ...
+    full = {"input_ids": [7] * 16, "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}}
     if version == "0.5.9":
         with pytest.raises(ServerError, match="HTTP 400: Requested token count exceeds the model's maximum context "
                                               "length of 24 tokens. You requested a total of 24 tokens"):
             client.post("/generate", full)
-    else:
-        client.post("/generate", full)
+    else:  # ... and then the scheduler cuts it to max_req_len - prompt - 1 tokens, silently
+        assert client.post("/generate", full)["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
     with pytest.raises(ServerError, match=r"The input \(24 tokens\) is longer than the model's context length"):
         client.post("/generate", {"input_ids": [7] * 24, "sampling_params": {"max_new_tokens": 1}})
-    control(url, "/_standin/reset", {"flags": ["--deterministic", "--context-length", "24"]})
+    with pytest.raises(ServerError, match=r"HTTP 400: Input length \(18 tokens\) exceeds the maximum allowed length "
+                                          r"\(18 tokens\)"):  # one prompt too long fails the batch
+        client.post("/generate", {"input_ids": [[7] * 4, [7] * 18], "sampling_params": {"max_new_tokens": 1}})
+    # a KV pool smaller than the context: max_req_len 19, max_req_input_len 14
+    control(url, "/_standin/reset", {"flags": ["--deterministic", "--context-length", "24", "--max-total-tokens", "20"]})
     engine = SGLangEngine([url], tokenizer, max_new_tokens=8)
-    assert (engine.context_length, engine.context_limit) == (24, 23)
-    td = engine.generate([[7] * 20, [7] * 23, [7] * 4], 1, seeds=[0, 1, 2])
+    assert (engine.context_length, engine.context_limit) == (24, 14)
+    td = engine.generate([[7] * 10, [7] * 14, [7] * 4], 1, seeds=[0, 1, 2])
     lengths = td[batch.COMPLETION_MASK].sum(-1).tolist()
-    assert lengths[0] <= 3 and lengths[1] == 0 and int(td[batch.FINISH_REASON][1]) == batch.FINISH_LENGTH
+    assert lengths[0] <= 4 and lengths[1] == 0 and int(td[batch.FINISH_REASON][1]) == batch.FINISH_LENGTH
     sent = [(len(ids), p["max_new_tokens"]) for path, body in server_state(url)["requests"] if path == "/generate"
             for ids, p in zip(body["input_ids"], body["sampling_params"])]
-    assert sorted(sent) == [(4, 8), (20, 3)], "budgets cut to the context; a full context is not sent at all"
+    assert sorted(sent) == [(4, 8), (10, 4)], "budgets cut to the limit; a full sequence is not sent at all"
 
 
 def test_a_prompt_that_can_never_fit_is_refused_before_the_first_batch(model_dir, servers, tokenizer):
@@ -133,10 +147,10 @@ def test_a_prompt_that_can_never_fit_is_refused_before_the_first_batch(model_dir
     engine = SGLangEngine([servers.get(model_dir, "--context-length", "24")], tokenizer, max_new_tokens=8)
     rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "1+2+3+4+5+6+7+8=", "answer": "36"}]
     with pytest.raises(DataError, match=r"^max_new_tokens=8: the longest prompt \(row 1, \d+ tokens\) .* "
-                                        r"exceed the 23 tokens .*or max_prompt_tokens \(now None\)"):
+                                        r"exceed the 18 tokens .*or max_prompt_tokens \(now None\)"):
         GRPOCollector(engine, tokenizer, rows, RewardSet({"a": answer_match}), layout=BatchLayout(2, 2))
     with pytest.raises(DataError, match=r"^rollout.max_new_tokens=8: the longest prompt \(row 1, \d+ tokens\) .* "
-                                        r"exceed the 23 tokens .*rollout.max_prompt_tokens"):  # as the recipe builds it
+                                        r"exceed the 18 tokens .*rollout.max_prompt_tokens"):  # as the recipe builds it
         GRPOCollector(engine, tokenizer, rows, RewardSet({"a": answer_match}), layout=BatchLayout(2, 2),
                       names=COLLECTOR_NAMES)
 
@@ -309,10 +323,11 @@ def test_servers_on_another_host_get_the_weights_with_no_address_set(tmp_path, m
 
 
 def test_colocated_servers_free_their_memory_while_the_trainer_trains(tmp_path, model_dir, servers):
-    """rollout.colocate=true against a server with --enable-memory-saver: after every collection the server
-    frees its KV cache, weights and CUDA graphs; the push takes back the weights first, loads them, then the KV
-    cache, before anything is generated again (the stand-in answers 500 to generation or loading on freed memory,
-    and a server without the flag is refused at start)."""
+    """rollout.colocate=true against a server with --enable-memory-saver: after every collection the server is
+    paused and frees its KV cache, weights and CUDA graphs; the push takes back the weights and CUDA graphs, loads
+    the weights, takes back the KV cache, and only then lets it generate (SGLang's order; the stand-in dies, as
+    SGLang does, on generation or loading into freed memory and on a release while requests run), and a server
+    without the flag is refused at start."""
     from grpo_accel.recipe.checks import ConfigError
     from test_sglang_runs import assert_server_holds_checkpoint, sglang_args
 
@@ -322,13 +337,14 @@ def test_colocated_servers_free_their_memory_while_the_trainer_trains(tmp_path, 
     memory = {"/release_memory_occupation": "release", "/resume_memory_occupation": "resume"}
     calls = []
     for path, body in server_state(url)["requests"]:
-        name = memory.get(path) or {"/generate": "generate", "/update_weights_from_distributed": "load"}.get(path)
+        name = memory.get(path) or {"/generate": "generate", "/update_weights_from_distributed": "load",
+                                    "/pause_generation": "pause", "/continue_generation": "continue"}.get(path)
         label = f"{name} {','.join(body['tags'])}" if path in memory else name
         if name is not None and (not calls or calls[-1] != label):
             calls.append(label)
-    one_batch = ["generate", "release kv_cache,weights,cuda_graph", "resume weights", "load",
-                 "resume kv_cache,cuda_graph"]
-    assert calls[:10] == one_batch * 2 and calls.count("release kv_cache,weights,cuda_graph") == 3
+    one_batch = ["generate", "pause", "release kv_cache,weights,cuda_graph", "resume weights,cuda_graph", "pause",
+                 "load", "resume kv_cache", "continue"]
+    assert calls[:16] == one_batch * 2 and calls.count("release kv_cache,weights,cuda_graph") == 3
     from grpo_accel.recipe.loading import load_config
 
     with pytest.raises(ConfigError, match="colocated servers free their memory while the trainer trains"):

@@ -161,7 +161,8 @@ def _sglang_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
 
     r, w = cfg.rollout, cfg.weight_sync
     engine = SGLangEngine(r.urls, tokenizer, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                          top_p=r.top_p, top_k=r.top_k, api_key=r.api_key, health_timeout_s=r.health_timeout_s,
+                          top_p=r.top_p, top_k=r.top_k, api_key=r.api_key, admin_api_key=w.admin_api_key,
+                          health_timeout_s=r.health_timeout_s,
                           retries=r.request_retries, request_size=r.request_size, request_timeout_s=r.request_timeout_s,
                           stop_token_ids=stop_token_ids(tokenizer, model.generation_config), names=SGLANG_NAMES)
     if accelerator.is_main_process:
@@ -173,7 +174,8 @@ def _sglang_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
                           "rollout.colocate=false.")
     common = dict(api_key=r.api_key, admin_api_key=w.admin_api_key, bucket_mb=w.bucket_mb,
                   dtype=getattr(torch, w.dtype), max_attempts=w.max_attempts, verify_tensors=w.verify_tensors,
-                  timeout_s=w.timeout_s, pause_mode=w.pause_mode, names=SGLANG_NAMES)
+                  timeout_s=w.timeout_s, pause_mode=w.pause_mode, names=SGLANG_NAMES,
+                  memory_record=Path(cfg.output_dir) / "sglang_memory.json" if r.colocate else None)
     if w.method == "distributed":
         from grpo_accel.sglang.from_distributed import DistributedWeightSender
 

@@ -71,10 +71,11 @@ def check_context(prompts: list[list[int]], limit: int | None, max_new_tokens: i
     if longest + max_new_tokens > limit:
         raise DataError(
             f"{new}={max_new_tokens}: the longest prompt (row {row}, {longest} tokens) and that many new tokens "
-            f"exceed the {limit} tokens a sequence may hold (SGLang: the servers' shortest context less one; "
-            f"embedded: the model's max_position_embeddings). Lower {new} to {max(limit - longest, 0)} or less, or "
+            f"exceed the {limit} tokens a sequence may hold (SGLang: the servers' shortest context less one, at most "
+            f"their max_req_input_len; embedded: the model's max_position_embeddings). Lower {new} to "
+            f"{max(limit - longest, 0)} or less, or "
             f"{prompt} (now {max_prompt_tokens}) below {longest} so that such rows are refused when loaded, or serve "
-            "a longer context (--context-length).")
+            "a longer context (--context-length) or a larger KV pool (--max-total-tokens).")
 
 
 class GRPOCollector(Collector):

@@ -20,19 +20,43 @@ here, read from the releases' source:
 - Every release: ``/pause_generation`` takes ``mode`` abort, retract or in_place (``PauseGenerationReqInput``,
   srt/managers/io_struct.py). ``abort`` returns every in-flight request with finish reason abort and what it had
   generated; ``retract`` moves running requests back to the waiting queue, keeping their output ids and logprobs
-  (``Req.reset_for_retract``, srt/managers/schedule_batch.py), so that a flush succeeds (``Scheduler.flush_cache``
-  looks at the running batch only) and they go on after ``/continue_generation``, their KV cache recomputed with
-  the weights loaded by then; ``in_place`` keeps them running, so a flush fails until they finish.
+  (``Req.reset_for_retract``, srt/managers/schedule_batch.py), so that a flush succeeds and they go on after
+  ``/continue_generation``, their KV cache recomputed with the weights loaded by then; ``in_place`` keeps them
+  running, so a flush fails until they finish. The flush's idle test: 0.5.9 ``Scheduler._is_no_request`` looks at
+  the running batch only; 0.5.23 ``Scheduler.is_fully_idle(ignore_waiting=<paused>)`` counts the waiting queue too,
+  unless the scheduler is paused (``retract`` and ``in_place`` pause it; ``abort`` does not).
 - Every release: a server started with ``--enable-memory-saver`` frees the GPU memory of the tags given to
   ``/release_memory_occupation`` (kv_cache, weights, cuda_graph; all when none are named) and takes it back at
-  ``/resume_memory_occupation``; the release asserts that no request runs (0.5.9
-  srt/managers/scheduler_update_weights_mixin.py, 0.5.23 scheduler_components/weight_updater.py), resuming a tag
-  that is not released fails (``offload_tags.remove``), and resumed weights hold no values until pushed. Without
-  the flag both are no-ops.
+  ``/resume_memory_occupation``. The release asserts the server is idle (the same test as the flush's: 0.5.9
+  srt/managers/scheduler_update_weights_mixin.py, 0.5.23 scheduler_components/weight_updater.py) and resuming a
+  tag that is not released raises (``offload_tags.remove``): either kills the scheduler, and the server with it.
+  No route tells which tags are released. Resumed weights hold garbage until a push lands, unless the server runs
+  ``--enable-weights-cpu-backup``. SGLang's own order (test/srt/test_release_memory_occupation.py): resume
+  cuda_graph and weights, update the weights, resume kv_cache, generate. Without the flag all are no-ops.
 - Every release: a request whose prompt is ``>=`` the context length is a 400, and so is prompt +
   ``max_new_tokens`` ``>=`` it in 0.5.9 (``>`` in 0.5.23; ``TokenizerManager._validate_one_request``), unless the
   server runs ``--allow-auto-truncate``; the context length is ``max_model_len`` at ``GET /v1/models``
   (``available_models``, srt/entrypoints/http_server.py, both releases).
+- Every release: the scheduler has limits of its own, which ``/server_info`` reports (its init info:
+  ``max_total_num_tokens``, the KV pool, and ``max_req_input_len``): ``max_req_len = min(context - 1, pool - 1)``,
+  ``max_req_input_len = max_req_len - 5`` (srt/managers/tp_worker.py); a prompt of ``max_req_input_len`` tokens or
+  more fails the whole request with 400 (``validate_input_length``), and ``max_new_tokens`` is cut to
+  ``max_req_len - prompt - 1`` without a word (``Scheduler.init_req_max_new_tokens``). So every sequence here stays
+  within ``max_req_input_len`` tokens, prompt and completion together, and any of its prefixes can be sent again.
+- Every release: the scheduler admits what its KV pool holds (``PrefillAdder``, srt/managers/schedule_policy.py)
+  and queues the rest. An abort (``/abort_request``, or ``/pause_generation {mode: abort}``) answers a waiting
+  request at once with what it has ("Abort in waiting queue", often nothing) and a running one after one more
+  token ("Aborted"); ``mode: abort`` then checks every second until no /generate is in flight
+  (``TokenizerManager.pause_generation``). A request that times out on the client keeps its place on the server
+  until it is aborted by its ``rid`` (the server notices a closed connection only on its own 4 s polls of a
+  waiting request, ``_wait_one_response``).
+- 0.5.19+ (``WEIGHT_SPANS_SINCE``; not 0.5.9): every answer carries ``meta_info.weight_versions``, the spans of
+  output tokens each weight version drew (srt/utils/weight_versions.py). 0.5.23: ``/server_info`` reports ``--dp-size N --enable-dp-attention`` as
+  ``attn_dp_size=N, dp_size=1`` (srt/arg_groups/parallel_hook.py), and ``startup_time``.
+- Every release: with more than one dp rank (``dp_size`` x ``attn_dp_size``), ``/get_weights_by_name`` answers a
+  list with one entry per rank, ``null`` where the model class lacks the method (200 all the same; one rank
+  answers 400 "Get parameter by name failed"), and a /generate goes to one rank (round robin, or the rank its
+  ``data_parallel_rank`` names: srt/managers/data_parallel_controller.py).
 
 Nothing here imports ``sglang``.
 """
@@ -53,6 +77,9 @@ MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 """What a colocated server frees while the trainer trains (srt/constants.py ``GPU_MEMORY_ALL_TYPES``)."""
 SESSION_SINCE = (0, 5, 21)
 """First release that refuses weight updates outside a begin/end session."""
+WEIGHT_SPANS_SINCE = (0, 5, 19)
+"""First release whose answers say which weight version drew each output token (``meta_info.weight_versions``;
+srt/utils/weight_versions.py first ships in 0.5.19's wheel)."""
 DEFAULT_GROUP = "weight_update_group"
 
 
@@ -75,23 +102,38 @@ class ServerInfo:
     url: str
     version: tuple[int, int, int]
     tp_size: int = 1
-    dp_size: int = 1
+    dp_size: int = 1  # replicas (0.5.23 moves dp attention's width to attn_dp_size)
     pp_size: int = 1
     deterministic: bool = False  # --enable-deterministic-inference: sampling_seed is honoured
     dp_attention: bool = False  # --enable-dp-attention
     memory_saver: bool = False  # --enable-memory-saver: memory release and resume do something
+    attn_dp_size: int = 1
+    max_req_input_len: int | None = None  # the scheduler's limit on one request's input
+    instance: str = ""  # this start of the server: 0.5.23's startup_time, else its random_seed
 
     @classmethod
     def from_json(cls, url: str, info: dict) -> ServerInfo:
         if "version" not in info:
             raise ValueError(f"{url}/server_info has no 'version': is this an SGLang server?")
+        limit = info.get("max_req_input_len")
         return cls(url, parse_version(info["version"]), int(info.get("tp_size") or 1), int(info.get("dp_size") or 1),
                    int(info.get("pp_size") or 1), bool(info.get("enable_deterministic_inference", False)),
-                   bool(info.get("enable_dp_attention", False)), bool(info.get("enable_memory_saver", False)))
+                   bool(info.get("enable_dp_attention", False)), bool(info.get("enable_memory_saver", False)),
+                   int(info.get("attn_dp_size") or 1), int(limit) if limit else None,
+                   str(info.get("startup_time", info.get("random_seed", ""))))
+
+    @property
+    def dp_ranks(self) -> int:
+        """Schedulers behind the server (``num_dp_ranks``): each answers /get_weights_by_name on its own."""
+        return self.dp_size * self.attn_dp_size
 
     @property
     def needs_session(self) -> bool:
         return self.version >= SESSION_SINCE
+
+    @property
+    def reports_token_versions(self) -> bool:
+        return self.version >= WEIGHT_SPANS_SINCE
 
     def check_supported(self) -> None:
         """Refuse a release older than the supported range; warn once about a newer one."""
@@ -136,10 +178,20 @@ def read_weight_version(client) -> str:
 
 # -- request bodies, one builder per endpoint: (path, body) ------------------------------------------------
 
-def generate(input_ids: list[list[int]], sampling_params: list[dict]) -> tuple[str, dict]:
-    """Token-exact generation with the logprob of every generated token."""
+def generate(input_ids: list[list[int]], sampling_params: list[dict], rids: list[str]) -> tuple[str, dict]:
+    """Token-exact generation with the logprob of every generated token; ``rids`` name the completions, so that
+    they can be aborted (:func:`abort_request`)."""
     return "/generate", {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True,
-                         "logprob_start_len": -1}
+                         "logprob_start_len": -1, "rid": rids}
+
+
+def abort_request(rid: str) -> tuple[str, dict]:
+    """Abort one completion by its rid (the tokenizer manager drops a rid it does not know)."""
+    return "/abort_request", {"rid": rid}
+
+
+def abort_all_requests() -> tuple[str, dict]:
+    return "/abort_request", {"abort_all": True}
 
 
 def sampling_params(max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
@@ -155,10 +207,14 @@ def sampling_params(max_new_tokens: int, temperature: float, top_p: float, top_k
     return params
 
 
-def prompt_logprobs(input_ids: list[int]) -> tuple[str, dict]:
-    """The logprob of every prompt token after the first (``meta_info.input_token_logprobs``), one new token."""
-    return "/generate", {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
-                         "return_logprob": True, "logprob_start_len": 0}
+def prompt_logprobs(input_ids: list[int], dp_rank: int | None = None) -> tuple[str, dict]:
+    """The logprob of every prompt token after the first (``meta_info.input_token_logprobs``), one new token, from
+    the dp rank ``dp_rank`` (``data_parallel_rank``, a deprecated alias of ``routed_dp_rank`` in 0.5.23)."""
+    body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+            "return_logprob": True, "logprob_start_len": 0}
+    if dp_rank is not None:
+        body["data_parallel_rank"] = dp_rank
+    return "/generate", body
 
 
 def pause_generation(mode: str) -> tuple[str, dict]:

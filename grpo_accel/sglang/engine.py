@@ -9,15 +9,22 @@ completions, all sent at once; engine logprobs are SGLang's ``output_token_logpr
 
 Partial rollouts: a weight push may land while a completion is generated. Pushed with ``retract`` (the default,
 see :mod:`grpo_accel.sglang.sender`), the server keeps it and finishes it with the new weights; pushed with
-``abort``, it comes back cut short and is continued here from prompt + what it had, with the budget left. Either
-way every token keeps the logprob of the weights that drew it, and the row records the oldest version (the
-server's when its first request was sent, for the staleness bound) and the newest (``weight_version_last``).
+``abort``, it comes back cut short and is continued here from prompt + what it had, with the budget left; one
+still waiting in the server's queue comes back with nothing and is sent again. Either way every token keeps the
+logprob of the weights that drew it, and the row records the oldest version and the newest
+(``weight_version_last``): from the spans each answer carries (``meta_info.weight_versions``, 0.5.23), else from
+the server's version when the request was sent and when it answered.
+
+Only an abort that brought nothing while the server's weights stayed the same counts against ``retries``: one a
+push caused (the version moved) is the scheduler's queue at work, not a failure. A request that fails or times
+out is aborted on the server by its ``rid`` before it is sent again, so that nothing goes on generating for nobody.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -44,7 +51,8 @@ class _Completion:
     finish: int | None = None
     first_version: int | None = None
     last_version: int = 0
-    stalls: int = 0  # aborts in a row that brought no token
+    stalls: int = 0  # aborts in a row that brought no token while the server's weights stayed the same
+    stall_version: int | None = None  # the server's weight version at the last of them
 
     @property
     def budget_left(self) -> int:
@@ -59,11 +67,13 @@ class SGLangEngine(RolloutEngine):
         tokenizer: gives pad/eos ids (prompts are already token ids).
         max_new_tokens, temperature, top_p, top_k: sampling parameters sent to SGLang.
         api_key: sent as ``Authorization: Bearer <key>`` (the server's ``--api-key``).
+        admin_api_key: the servers' ``--admin-api-key``, for ``/abort_request`` (else ``api_key``).
         health_timeout_s: wait this long for ``/health`` on every server at start; then each server's release
             is read from ``/server_info`` (which also proves the key) and checked against the supported range,
             and its context length from ``/v1/models``.
         retries: attempts after the first for 5xx answers, unreachable servers and timeouts (each request on
-            its own), and for aborts that brought no new token.
+            its own, aborted on the server first), and for aborts that brought no new token while the server's
+            weights stayed the same.
         request_size: completions per HTTP request at most; a server's share goes out as several at once.
         request_timeout_s: seconds one request may take before it is sent again (a retry).
         report_every_s: while requests are outstanding, a line this often says which, on which server.
@@ -82,7 +92,8 @@ class SGLangEngine(RolloutEngine):
     so collection may run in a background thread under any ZeRO stage."""
 
     def __init__(self, urls: list[str], tokenizer, *, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0, api_key: str | None = None, health_timeout_s: float = 300.0,
+                 top_p: float = 1.0, top_k: int = 0, api_key: str | None = None, admin_api_key: str | None = None,
+                 health_timeout_s: float = 300.0,
                  retries: int = 3, request_size: int = 64, request_timeout_s: float = 600.0, backoff_s: float = 0.5,
                  report_every_s: float = 30.0, stop_token_ids: tuple[int, ...] = (),
                  names: Mapping[str, str] | None = None) -> None:
@@ -91,6 +102,8 @@ class SGLangEngine(RolloutEngine):
                              "[http://host:30000].")
         self.clients = [HTTPClient(u, api_key, request_timeout_s, retries, backoff_s, setting(names, "api_key"))
                         for u in urls]
+        self.admins = {c.url: HTTPClient(c.url, admin_api_key or api_key, 30.0, 0) for c in self.clients}
+        self.stop_ids = {tokenizer.eos_token_id, *stop_token_ids}
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.retries = retries
         self.stop_token_ids = [i for i in stop_token_ids if i != tokenizer.eos_token_id]
@@ -100,13 +113,16 @@ class SGLangEngine(RolloutEngine):
         for client in self.clients:
             client.wait_healthy(health_timeout_s, names=names)
         self.servers = [api.read_server_info(c) for c in self.clients]
+        self._spans = {i.url for i in self.servers if i.reports_token_versions}  # per-token weight versions
         for info in self.servers:
             info.check_supported()
         contexts = [api.read_context_length(c) for c in self.clients]
         self.context_length = min(contexts)  # the shortest of the servers' contexts
+        inputs = [i.max_req_input_len for i in self.servers if i.max_req_input_len]
+        self.max_req_input_len = min(inputs) if inputs else None
         self.description = "SGLang servers: " + ", ".join(
-            f"{c.url} (SGLang {'.'.join(map(str, i.version))}, tp {i.tp_size}, context {n})"
-            for c, i, n in zip(self.clients, self.servers, contexts))
+            f"{c.url} (SGLang {'.'.join(map(str, i.version))}, tp {i.tp_size}, dp ranks {i.dp_ranks}, context {n}, "
+            f"input limit {i.max_req_input_len})" for c, i, n in zip(self.clients, self.servers, contexts))
         random = [i.url for i in self.servers if not i.deterministic]
         if random:
             logger.warning("sampling_seed is ignored by %s (started without --enable-deterministic-inference): "
@@ -115,9 +131,12 @@ class SGLangEngine(RolloutEngine):
 
     @property
     def context_limit(self) -> int:
-        """The most prompt + completion tokens one sequence may hold on every server: one less than the context,
-        as 0.5.9 refuses a request that fills it (0.5.23 would take one more)."""
-        return self.context_length - 1
+        """The most prompt + completion tokens one sequence may hold on every server: one less than the context
+        (0.5.9 refuses a request that fills it; 0.5.23 would take one more), and at most the scheduler's
+        ``max_req_input_len``, so that every prefix of it can be sent again (an aborted completion's
+        continuation, an episode's next turn) and no budget is cut short without a word."""
+        limit = self.context_length - 1
+        return min(limit, self.max_req_input_len) if self.max_req_input_len else limit
 
     def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int] | None = None,
                  greedy: bool = False) -> TensorDict:
@@ -170,26 +189,52 @@ class SGLangEngine(RolloutEngine):
 
     def _complete(self, client: HTTPClient, part: list[_Completion]) -> None:
         """Send ``part`` as one request; what comes back aborted (a push paused the server with ``abort``) is
-        continued from prompt + its tokens so far with the budget left, until every completion finished."""
-        todo = part
+        continued from prompt + its tokens so far with the budget left, until every completion finished. A request
+        that fails (5xx, unreachable, timed out) is aborted by its rids and sent again, ``retries`` times at most."""
+        todo, failures = part, 0
         while todo:
-            version = _version(api.read_weight_version(client))  # no token of this request is older
+            # no token of this request is older; not needed where the answers carry per-token versions
+            version = None if client.url in self._spans else _version(api.read_weight_version(client))
+            rids = [uuid.uuid4().hex for _ in todo]
             request = api.generate([c.prompt + c.ids for c in todo],
-                                   [{**c.params, "max_new_tokens": c.budget_left} for c in todo])
-            items = client.post(*request)
+                                   [{**c.params, "max_new_tokens": c.budget_left} for c in todo], rids)
+            try:
+                items = client.post(*request, retries=0)
+            except ServerError as exc:
+                failures += 1
+                if exc.status is not None and exc.status < 500:
+                    raise
+                self._abort(client, rids)  # a timed-out request would go on generating for nobody
+                if failures > self.retries:
+                    raise
+                logger.warning("%s/generate failed (%s); its %d completions aborted there and sent again, retry "
+                               "%d/%d", client.url, exc, len(todo), failures, self.retries)
+                time.sleep(client.backoff_s * 2 ** (failures - 1))
+                continue
+            failures = 0
             items = items if isinstance(items, list) else [items]
             for c, item in zip(todo, items):
                 self._take(client, c, item, version)
             stalled = [(c, item) for c, item in zip(todo, items) if c.finish is None and not item["output_ids"]]
             todo = [c for c in todo if c.finish is None]
-            if stalled:  # aborted before they generated: sent again after a backoff, at most `retries` times
-                stalls = max(c.stalls for c, _ in stalled)
+            stalls = max((c.stalls for c, _ in stalled), default=0)
+            if stalls > 1:  # aborted again under the same weights: not a push; back off before sending again
                 logger.warning("%s aborted %d requests before they generated (%s); retry %d/%d", client.url,
-                               len(stalled), stalled[0][1]["meta_info"]["finish_reason"].get("message"), stalls,
+                               len(stalled), stalled[0][1]["meta_info"]["finish_reason"].get("message"), stalls - 1,
                                self.retries)
-                time.sleep(client.backoff_s * 2 ** (stalls - 1))
+                time.sleep(client.backoff_s * 2 ** (stalls - 2))
 
-    def _take(self, client: HTTPClient, c: _Completion, item: dict, version: int) -> None:
+    def _abort(self, client: HTTPClient, rids: list[str]) -> None:
+        """``/abort_request`` for each rid, best effort (an unreachable server aborts nothing)."""
+        admin = self.admins[client.url]
+        for rid in rids:
+            try:
+                admin.post(*api.abort_request(rid))
+            except ServerError as exc:
+                logger.warning("%s: could not abort request %s (%s)", client.url, rid, exc)
+                return
+
+    def _take(self, client: HTTPClient, c: _Completion, item: dict, version: int | None) -> None:
         ids, meta = item["output_ids"], item["meta_info"]
         pairs = meta["output_token_logprobs"] if ids else []
         if [int(p[1]) for p in pairs] != list(ids):
@@ -197,15 +242,26 @@ class SGLangEngine(RolloutEngine):
                               "the server must return logprobs for every generated token (return_logprob).")
         c.ids += list(ids)
         c.logprobs += [float(p[0]) for p in pairs]
-        c.first_version = version if c.first_version is None else c.first_version
-        c.last_version = max(c.last_version, _version(meta.get("weight_version")), version)
+        served = _version(meta.get("weight_version"))
+        if "weight_versions" in meta:  # 0.5.19+: the version of every token, by span
+            drew = [_version(s["version"]) for s in meta["weight_versions"] if s["end"] > s["start"]]
+        else:
+            drew = [v for v in (version, served) if v is not None] if ids else []
+        if drew:
+            c.first_version = min(drew) if c.first_version is None else c.first_version
+            c.last_version = max(c.last_version, *drew)
         reason = meta["finish_reason"]
         if reason["type"] != "abort":
-            c.finish = batch.FINISH_REASONS[reason["type"]]
+            # SGLang checks the length before the stop token (Req.check_finished): a completion whose last
+            # token is a stop token stopped, whatever the reason says
+            stopped = reason["type"] == "stop" or (c.ids and c.ids[-1] in self.stop_ids)
+            c.finish = batch.FINISH_STOP if stopped else batch.FINISH_REASONS[reason["type"]]
         elif c.budget_left <= 0:
             c.finish = batch.FINISH_LENGTH
+        elif ids or served != c.stall_version:  # a token, or a push came between: the queue at work
+            c.stalls, c.stall_version = (0, None) if ids else (1, served)
         else:
-            c.stalls = 0 if ids else c.stalls + 1
+            c.stalls += 1
             if c.stalls > self.retries:
                 raise ServerError(f"{client.url}: /generate kept aborting without generating ({reason.get('message')}"
                                   f", status {reason.get('status_code')}) after {self.retries} retries.")

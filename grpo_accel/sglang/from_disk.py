@@ -23,10 +23,11 @@ class DiskWeightSender(SGLangSender):
     def __init__(self, accelerator, model, urls: list[str], path: str | Path, *, bucket_mb: float = 512,
                  dtype: torch.dtype = torch.bfloat16, api_key: str | None = None, admin_api_key: str | None = None,
                  keep: int = 2, max_attempts: int = 2, verify_tensors: int = 2, timeout_s: float = 600.0,
-                 pause_mode: str = "retract", names: Mapping[str, str] | None = None) -> None:
+                 pause_mode: str = "retract", memory_record: str | Path | None = None,
+                 names: Mapping[str, str] | None = None) -> None:
         super().__init__(accelerator, model, urls, api_key=api_key, admin_api_key=admin_api_key, bucket_mb=bucket_mb,
                          dtype=dtype, max_attempts=max_attempts, verify_tensors=verify_tensors, timeout_s=timeout_s,
-                         pause_mode=pause_mode, names=names)
+                         pause_mode=pause_mode, memory_record=memory_record, names=names)
         self.path, self.keep = Path(path), keep
         self._index: dict[str, str] = {}  # parameter name -> file, for the update being written
 

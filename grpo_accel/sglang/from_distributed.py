@@ -29,6 +29,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Mapping
 
 import torch
@@ -60,6 +61,9 @@ class DistributedWeightSender(SGLangSender):
         group_name: start of the weight-update group's name (a fresh suffix per group).
         pause_mode: how the servers pause around a push: "retract" (in-flight requests keep their tokens and go
             on under the new weights) or "abort" (they come back cut short; the engine continues them).
+        memory_record: colocated servers only: the file that records what each server has released of its
+            memory, for a trainer restarted on the same run (:mod:`grpo_accel.sglang.memory`; None: this
+            process alone knows).
 
     Example:
         >>> sender = DistributedWeightSender(accelerator, model, ["http://10.0.0.2:30000"],
@@ -73,12 +77,13 @@ class DistributedWeightSender(SGLangSender):
                  master_port: int = 29600, backend: str = "auto", bucket_mb: float = 512, layout: str = "per_tensor",
                  dtype: torch.dtype = torch.bfloat16, api_key: str | None = None, admin_api_key: str | None = None,
                  group_name: str = api.DEFAULT_GROUP, max_attempts: int = 2, verify_tensors: int = 2,
-                 timeout_s: float = 600.0, pause_mode: str = "retract", names: Mapping[str, str] | None = None) -> None:
+                 timeout_s: float = 600.0, pause_mode: str = "retract", memory_record: str | Path | None = None,
+                 names: Mapping[str, str] | None = None) -> None:
         if layout not in ("per_tensor", "flattened_bucket"):
             raise ValueError(f"DistributedWeightSender: layout={layout!r}: use 'per_tensor' or 'flattened_bucket'.")
         super().__init__(accelerator, model, urls, api_key=api_key, admin_api_key=admin_api_key, bucket_mb=bucket_mb,
                          dtype=dtype, max_attempts=max_attempts, verify_tensors=verify_tensors, timeout_s=timeout_s,
-                         pause_mode=pause_mode, names=names)
+                         pause_mode=pause_mode, memory_record=memory_record, names=names)
         self.layout, self.timeout_s = layout, timeout_s
         self.backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
         self.group: WeightUpdateGroup | None = None

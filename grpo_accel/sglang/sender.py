@@ -11,16 +11,26 @@ model implements it, else the logprobs of a fixed probe sequence and the weight 
 gathered / computed on every rank, so ZeRO-3 is checked too).
 
 Pausing: ``retract`` (the default) keeps every in-flight request on the server with its tokens and logprobs and
-lets it finish under the new weights, and the cache flush that ends an update succeeds (SGLang's running batch
-is empty then: ``Scheduler.pause_generation`` / ``flush_cache``, srt/managers/scheduler.py); ``abort`` returns
-them cut short and the engine continues them from what they had (:mod:`grpo_accel.sglang.engine`), which costs
-a request per push; ``in_place`` is not offered, its requests stay in the running batch and the flush fails.
+lets it finish under the new weights, and the cache flush that ends an update succeeds (the scheduler is paused
+and its running batch empty: ``Scheduler.pause_generation``, then the flush's idle test, 0.5.9
+``_is_no_request`` and 0.5.23 ``is_fully_idle(ignore_waiting=<paused>)``, srt/managers/scheduler.py); ``abort``
+returns them cut short, the waiting ones with nothing, and the engine continues or resends them
+(:mod:`grpo_accel.sglang.engine`), which costs a request per push and the prefill of each again, and SGLang answers
+the pause only once none is in flight (it looks every second); ``in_place`` is not offered, its requests stay in
+the running batch and the flush fails.
+
+Colocated servers (``release_memory``): paused with ``retract`` (the server idle, as the release asserts), then
+their KV cache, weights and CUDA graphs are freed; the next push takes back the weights and CUDA graphs, loads the
+weights, takes back the KV cache, and only then lets them generate (SGLang's own order). What each server has
+released is recorded for a restarted trainer (:mod:`grpo_accel.sglang.memory`). A sender that starts aborts what
+the servers still run for a trainer before it, so that nothing keeps them busy.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import logging
 import time
+from pathlib import Path
 from typing import Mapping
 
 import torch
@@ -30,6 +40,7 @@ from grpo_accel.distributed import any_process, gathered_parameters
 from grpo_accel.http import HTTPClient, ServerError
 from grpo_accel.rules import setting
 from grpo_accel.sglang import api
+from grpo_accel.sglang.memory import ServerMemory
 from grpo_accel.weight_sync.gather import BucketedGather
 
 logger = logging.getLogger(__name__)
@@ -60,7 +71,8 @@ class SGLangSender(WeightSender):
 
     def __init__(self, accelerator, model, urls: list[str], *, api_key: str | None, admin_api_key: str | None,
                  bucket_mb: float, dtype: torch.dtype, max_attempts: int, verify_tensors: int, timeout_s: float,
-                 pause_mode: str = "retract", names: Mapping[str, str] | None = None) -> None:
+                 pause_mode: str = "retract", memory_record: str | Path | None = None,
+                 names: Mapping[str, str] | None = None) -> None:
         if pause_mode not in api.PAUSE_MODES:
             raise ValueError(f"pause_mode={pause_mode!r}: use one of {api.PAUSE_MODES}.")
         self.accelerator, self.model, self.dtype, self.pause_mode = accelerator, model, dtype, pause_mode
@@ -77,6 +89,8 @@ class SGLangSender(WeightSender):
         for info in self.servers:
             info.check_supported()
             info.check_weight_updates(self.method)
+        self._each(*api.abort_all_requests())  # a trainer before this one may have left requests running
+        self.memory = ServerMemory(self.clients, self.servers, memory_record)
         self.bucket_bytes = int(bucket_mb * 2**20)
         self._gather: BucketedGather | None = None
         self.max_attempts, self.verify_tensors = max_attempts, verify_tensors
@@ -84,7 +98,6 @@ class SGLangSender(WeightSender):
         self._probe_needed = False
         self.version = 0
         self.last_sync_s = 0.0
-        self._released: set[str] = set()  # colocated servers: what they freed while the trainer trains
 
     @property
     def gather(self) -> BucketedGather:
@@ -121,31 +134,27 @@ class SGLangSender(WeightSender):
 
     def release_memory(self) -> None:
         """Colocated servers (SGLang on the trainer's GPUs, ``--enable-memory-saver``) free their KV cache,
-        weights and CUDA graphs for the trainer's optimisation; the next push takes them back (weights, the push,
-        then the rest). Collective: SGLang asserts no request runs, so every process must have collected."""
+        weights and CUDA graphs for the trainer's optimisation; the next push takes them back. Collective: every
+        process must have collected. The servers are paused first (``retract``), which leaves them idle, as the
+        release asserts."""
         self.accelerator.wait_for_everyone()
-        if self.is_sender and not self._released:
-            self._each(*api.release_memory_occupation(list(api.MEMORY_TAGS)))
-            self._released = set(api.MEMORY_TAGS)
-
-    def _resume_memory(self, tags: tuple[str, ...]) -> None:
-        """Take back what ``release_memory`` freed of ``tags`` (SGLang fails to resume a tag it holds)."""
-        wanted = [t for t in api.MEMORY_TAGS if t in tags and t in self._released]
-        if wanted:
-            self._each(*api.resume_memory_occupation(wanted))
-            self._released -= set(wanted)
+        if self.is_sender:
+            self._each(*api.pause_generation("retract"))
+            self.memory.release(api.MEMORY_TAGS)
 
     # -- one push ------------------------------------------------------------------------------------------
 
     def _push(self, version: str) -> str | None:
         """One full push; every rank walks every bucket (a collective under ZeRO-3). Rank 0's error, or None.
-        Colocated servers get their weights' memory back first and their KV cache after."""
-        error = self._rank0(self._resume_memory, ("weights",)) or self._rank0(self._open_update)
+        Colocated servers take back their weights and CUDA graphs first and their KV cache once the weights are
+        loaded, before they generate again."""
+        error = self._rank0(self.memory.resume, ("weights", "cuda_graph")) or self._rank0(self._open_update)
         for index, (bucket, tensors) in enumerate(self.gather):
             if error is None:
                 error = self._rank0(self._send, index, bucket, tensors, version)
         if error is None:
-            error = self._rank0(self._finish, version) or self._rank0(self._resume_memory, ("kv_cache", "cuda_graph"))
+            error = (self._rank0(self._finish, version) or self._rank0(self.memory.resume, ("kv_cache",))
+                     or self._rank0(self._each, *api.continue_generation()))
         if error is not None and self.is_sender:
             self._recover()
         return error
@@ -180,19 +189,20 @@ class SGLangSender(WeightSender):
         return index == len(self.gather.buckets) - 1
 
     def _finish(self, version: str) -> None:
-        """Close the session and let the servers generate again."""
+        """Close the update session (the servers generate again once their memory is back)."""
         if self.uses_session:
             for client in self._session_clients():
                 client.post(*api.end_weight_update())
-        self._each(*api.continue_generation())
 
     def _recover(self) -> None:
-        """After a failure: close what is open, best effort (the next attempt pushes everything again)."""
+        """After a failure: close what is open, best effort (the next attempt pushes everything again). A server
+        with memory released stays paused: it would generate on freed memory or on weights not loaded."""
         if self.uses_session:
             for client in self._session_clients():
                 self._quietly(client, *api.end_weight_update())
         for client in self.clients:
-            self._quietly(client, *api.continue_generation())
+            if self.memory.holds_all(client.url):
+                self._quietly(client, *api.continue_generation())
 
     def _session_clients(self) -> list[HTTPClient]:
         return [c for c, info in zip(self.clients, self.servers) if info.needs_session]
@@ -234,17 +244,12 @@ class SGLangSender(WeightSender):
         ranks learn whether any server needs the probe: its forward is a collective under ZeRO-3."""
         first = self.gather.weights[0].name
         by_name = []
-        for client in self.clients:
-            try:
-                client.post(*api.get_weights_by_name(first, truncate_size=1))
-                by_name.append(True)
-            except ServerError as exc:
-                if api.WEIGHTS_BY_NAME_MISSING not in str(exc):
-                    raise
+        for client, info in zip(self.clients, self.servers):
+            by_name.append(self._rows(client, info, first, 1) is not None)
+            if not by_name[-1]:
                 logger.warning("%s: the served model does not implement /get_weights_by_name; weights are checked "
                                "with a %d-token logprob probe and the reported weight version instead",
                                client.url, PROBE_TOKENS)
-                by_name.append(False)
         flag = torch.tensor([float(not all(by_name))], device=self.accelerator.device)
         if self.accelerator.num_processes > 1:
             from accelerate.utils import broadcast
@@ -252,6 +257,19 @@ class SGLangSender(WeightSender):
             flag = broadcast(flag, from_process=0)
         self._probe_needed = bool(flag[0] > 0)
         return by_name
+
+    @staticmethod
+    def _rows(client: HTTPClient, info: api.ServerInfo, name: str, truncate_size: int) -> list | None:
+        """The first rows of ``name`` on each dp rank of the server, or None where its model class lacks
+        /get_weights_by_name (one rank answers 400; several answer a list with null entries, 200)."""
+        try:
+            answer = client.post(*api.get_weights_by_name(name, truncate_size))
+        except ServerError as exc:
+            if api.WEIGHTS_BY_NAME_MISSING not in str(exc):
+                raise
+            return None
+        ranks = answer if info.dp_ranks > 1 else [answer]
+        return None if any(rows is None for rows in ranks) else ranks
 
     def _probe_ids(self) -> list[int]:
         vocab = int(self.model.config.vocab_size)
@@ -268,28 +286,32 @@ class SGLangSender(WeightSender):
         return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].cpu()
 
     def _compare(self, version: str, expected: dict, probe: list[int], trainer_logprobs: torch.Tensor | None) -> None:
-        for client, reader, by_name in zip(self.clients, self.readers, self._by_name):
-            if by_name:
-                self._compare_by_name(client, expected)
-            else:
-                self._compare_probe(reader, version, probe, trainer_logprobs)
+        for client, reader, info, by_name in zip(self.clients, self.readers, self.servers, self._by_name):
+            for rank in range(info.dp_ranks):
+                where = f"{client.url}{f' (dp rank {rank})' if info.dp_ranks > 1 else ''}"
+                if by_name:
+                    self._compare_by_name(client, info, rank, where, expected)
+                else:
+                    self._compare_probe(reader, info, rank, where, version, probe, trainer_logprobs)
 
-    def _compare_by_name(self, client: HTTPClient, expected: dict) -> None:
+    def _compare_by_name(self, client: HTTPClient, info: api.ServerInfo, rank: int, where: str, expected: dict) -> None:
         for name, value in expected.items():
-            got = torch.tensor(client.post(*api.get_weights_by_name(name, truncate_size=4)))
-            rows = value.reshape(-1)[: got.numel()] if value.dim() < 2 else value[: got.shape[0]]
-            if got.shape != rows.shape or not torch.allclose(got.float(), rows.reshape(got.shape), atol=1e-2):
-                raise WeightSyncError(f"{client.url}: {name} differs from the trainer's after the update.")
+            rows = self._rows(client, info, name, 4)
+            got = torch.tensor(rows[rank] if rows is not None else [])
+            want = value.reshape(-1)[: got.numel()] if value.dim() < 2 else value[: got.shape[0]]
+            if got.shape != want.shape or not torch.allclose(got.float(), want.reshape(got.shape), atol=1e-2):
+                raise WeightSyncError(f"{where}: {name} differs from the trainer's after the update.")
 
-    def _compare_probe(self, client: HTTPClient, version: str, probe: list[int], trainer: torch.Tensor) -> None:
-        answer = client.post(*api.prompt_logprobs(probe))
+    def _compare_probe(self, client: HTTPClient, info: api.ServerInfo, rank: int, where: str, version: str,
+                       probe: list[int], trainer: torch.Tensor) -> None:
+        answer = client.post(*api.prompt_logprobs(probe, rank if info.dp_ranks > 1 else None))
         meta = (answer[0] if isinstance(answer, list) else answer)["meta_info"]
         if str(meta.get("weight_version")) != version:
-            raise WeightSyncError(f"{client.url} reports weight version {meta.get('weight_version')!r} after "
+            raise WeightSyncError(f"{where} reports weight version {meta.get('weight_version')!r} after "
                                   f"version {version} was pushed.")
         served = torch.tensor([float(v[0]) for v in meta["input_token_logprobs"][1:]])  # the first has no logprob
         gap = float((served - trainer).abs().mean())
         if gap > PROBE_TOLERANCE[self.dtype]:
-            raise WeightSyncError(f"{client.url}: probe logprobs differ from the trainer's by {gap:.4f} on average "
+            raise WeightSyncError(f"{where}: probe logprobs differ from the trainer's by {gap:.4f} on average "
                                   f"(allowed {PROBE_TOLERANCE[self.dtype]} at {dtype_name(self.dtype)}): the "
                                   "server does not hold the pushed weights.")
