@@ -2,8 +2,9 @@
 
     python tests/sglang_standin.py --port 30000 --model DIR --sglang-version 0.5.23 [--api-key KEY]
         [--admin-api-key KEY] [--deterministic] [--dp-size N] [--enable-dp-attention] [--pp-size N]
-        [--enable-memory-saver]
-        [--tp-size N] [--context-length N] [--decode-delay S] [--startup-delay S] [--host ADDR]
+        [--tp-size N] [--enable-memory-saver] [--enable-weights-cpu-backup] [--context-length N]
+        [--max-total-tokens N] [--max-running-requests N] [--schedule-conservativeness F] [--random-seed N]
+        [--decode-delay S] [--startup-delay S] [--host ADDR]
 
 A real SGLang server needs a GPU; this one serves a transformers model on CPU and takes from SGLang's source
 (tests/sglang_source.py) everything that decides whether the trainer and a real server agree:
@@ -14,62 +15,39 @@ A real SGLang server needs a GPU; this one serves a transformers model on CPU an
   does (400 on a violation); /generate bodies through SGLang's contract (sglang/api/v1/api_types.py, 0.5.22+;
   ``SamplingParams.__init__``'s parameters before). Unlike SGLang it also refuses fields the request classes do
   not have (SGLang ignores them), so that a misspelt field fails a test instead of being dropped;
-- the weight-update group join: SGLang's ``init_custom_process_group`` (srt/utils/common.py), called as
-  ``WeightUpdater.init_weights_update_group`` calls it (srt/model_executor/model_runner_components/
-  weight_updater.py in 0.5.23, model_runner.py in 0.5.9): rank = rank_offset + tp_rank, no timeout. With
-  ``--tp-size N`` the ranks 1..N-1 are processes of their own (``TPRank``) that join and receive every broadcast as
-  SGLang's other tensor-parallel workers do; ``GET /_standin/tp_digests`` says what each received;
-- the flattened-bucket layout: SGLang's ``FlattenedTensorBucket`` (srt/weight_sync/tensor_bucket.py);
-- the weight-update session (0.5.21+): the guards and messages read from
-  srt/managers/scheduler_components/weight_updater.py (``SchedulerWeightUpdaterManager``);
-- ``/get_weights_by_name``: answered only for model classes that implement it in srt/models/ (else 400 "Get
-  parameter by name failed", srt/entrypoints/http_server.py ``get_weights_by_name``), rows as
-  ``LlamaForCausalLM.get_weights_by_name`` returns them (srt/models/llama.py): ``tolist()[:truncate_size]``;
+- the weight-update group join, SGLang's ``init_custom_process_group``, the flattened-bucket layout, the session
+  guards, ``/get_weights_by_name``, memory release and resume: standin_weights.py, each cited there;
+- 0.5.23's per-token weight versions: srt/utils/weight_versions.py, run as SGLang's scheduler and tokenizer
+  manager call it;
 - ``sampling_seed`` is honoured only with ``--deterministic`` (SGLang's ``--enable-deterministic-inference``,
   srt/sampling/sampling_batch_info.py ``from_schedule_batch``);
 - the context rule: ``TokenizerManager._validate_one_request`` (srt/managers/tokenizer_manager.py): a prompt of
   ``>=`` context tokens is a 400, and so is prompt + max_new_tokens at the release's own comparison (read from
   that file: ``>=`` in 0.5.9, ``>`` in 0.5.23), with SGLang's messages; the context length is the model's
   ``max_position_embeddings`` unless ``--context-length`` (as ``ModelConfig.context_len``), reported at
-  ``GET /v1/models`` as ``max_model_len`` (``available_models``, srt/entrypoints/http_server.py).
+  ``GET /v1/models`` as ``max_model_len`` (``available_models``, srt/entrypoints/http_server.py);
+- ``/server_info``: the server args (0.5.23 reports ``--dp-size N --enable-dp-attention`` as ``attn_dp_size`` N,
+  srt/arg_groups/parallel_hook.py) and the scheduler's init info (``max_total_num_tokens``, ``max_req_input_len``).
 
-Re-implemented from the source (cited where they are):
-
-- the scheduler (srt/managers/scheduler.py): requests join one running batch, which takes a decode step at a
-  time, each step lasting ``--decode-delay`` seconds at least (a large model's pace on a GPU), so that weight
-  pushes land while requests are in flight. Control requests (pause, weight loads) run between steps.
-- ``/pause_generation`` by mode (``PauseGenerationReqInput`` in srt/managers/io_struct.py;
-  ``TokenizerManager.pause_generation`` and ``Scheduler.pause_generation``): ``abort`` aborts every request and
-  returns it with finish reason abort and what it had generated, and answers once none is in flight; ``retract``
-  moves the running requests back to the waiting queue (``retract_all``; ``Req.reset_for_retract`` keeps their
-  output ids and logprobs), so the running batch is empty and a flush succeeds; after ``/continue_generation``
-  they go on, their KV recomputed with the weights loaded by then (here: every step re-reads the whole sequence);
-  ``in_place`` keeps them in the running batch, where they make a flush fail. While paused, a new /generate
-  waits (``is_pause_cond``).
-- receiving the broadcasts (per tensor: ``torch.empty`` + async ``broadcast`` in ``names`` order, then wait;
-  flattened: one broadcast), loading after the receive (a wrong name or shape fails with "partially updated"),
-  the flush that fails while the running batch is not empty (``Scheduler.flush_cache``, ``_is_no_request``), the
-  reader/writer lock that makes an update wait for in-flight /generate unless generation is paused, the weight
-  updates SGLang asserts against with ``--dp-size`` > 1 unless ``--enable-dp-attention``
-  (srt/managers/tokenizer_communicator_mixin.py in 0.5.9), the response bodies and status codes of
-  srt/entrypoints/http_server.py;
-- with ``--enable-memory-saver``, ``/release_memory_occupation`` and ``/resume_memory_occupation`` by tag
-  (kv_cache, weights, cuda_graph; srt/managers/scheduler_update_weights_mixin.py): a release while requests run
-  fails (SGLang asserts), resuming a tag not released fails, released weights lose their values; and where
-  SGLang would touch freed memory (generating, or loading weights before they are resumed) the stand-in answers
-  500, so that a wrong order fails a test.
+Re-implemented from the source, cited where they are: the scheduler of each dp rank with its KV pool, waiting
+queue, retraction, aborts, pause modes and length limits (standin_scheduler.py), the tokenizer manager and the
+data-parallel controller in front of them (standin_tokenizer.py), and the weight updates (standin_weights.py).
+Where SGLang's scheduler raises (a memory release while requests run, a resume of a tag not released, freed
+memory touched) the stand-in dies, as the server does.
 
 Nothing here imports grpo_accel. Test control, outside the protocol: ``POST /_standin/fail {"path", "times",
 "how"}`` makes the next calls of ``path`` fail, how = "success_false" (an update receives, then fails to load),
 "refuse" (an update is refused before it receives, as a closed session refuses it), "ignore" (an update is
-received and answered with success but not loaded: a broken server), "http_500", "abort" (a /generate's requests
-come back aborted before prefill) or "hang" (an /init_weights_update_group that never joins, until a reset);
-``GET /_standin/state`` returns the weight version, the number of loads, the requests seen, the token counts
-and every parameter; ``GET /_standin/counts`` the token counts alone (sampled, returned, aborted completions,
-retracted requests) and the queues' lengths; ``GET /_standin/digest`` a SHA-256 of every
-parameter (as float32 bytes); ``POST /_standin/reset {"flags"}`` makes it the server it was at start (weights,
-version, groups, session, failures, requests) as if started with ``flags``, so that tests can share one process;
-it refuses (409) while a request is in flight.
+received and answered with success but not loaded: a broken server), "ignore_dp1" (dp rank 1 keeps its weights),
+"http_500", "abort" (a /generate's requests come back aborted before prefill), "hang" (an
+/init_weights_update_group that never joins, until a reset) or "hold" (the call takes effect and its answer waits
+for ``POST /_standin/unhold``); any other word passes. ``GET /_standin/state`` returns the weight version, the
+number of loads, the requests seen, the token counts and every parameter; ``GET /_standin/counts`` the token
+counts alone (sampled, returned, aborted completions, retracted requests), the queues' lengths now and at their
+peak, the KV pool's peak and the released memory tags; ``GET /_standin/digest`` a SHA-256 of every parameter (as
+float32 bytes), ``/_standin/dp_digests`` each dp rank's; ``POST /_standin/reset {"flags"}`` makes it the server
+it was at start (weights, version, groups, session, failures, requests, a new start time and seed) as if started
+with ``flags``, so that tests can share one process; it refuses (409) while a request is in flight.
 """
 from __future__ import annotations
 
@@ -87,7 +65,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sglang_source import SGLangSource  # noqa: E402
-from standin_scheduler import DPRank, HTTPError, Scheduling, bad_request  # noqa: E402
+from standin_scheduler import DPRank, HTTPError, bad_request  # noqa: E402
+from standin_tokenizer import Scheduling  # noqa: E402
 from standin_weights import TPRank, WeightUpdates, digest  # noqa: E402
 
 

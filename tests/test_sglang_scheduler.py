@@ -9,7 +9,6 @@ import urllib.request
 import pytest
 import torch
 
-from grpo_accel import batch
 from grpo_accel.http import HTTPClient, ServerError
 from grpo_accel.sglang.engine import SGLangEngine
 from launching import free_port

@@ -12,7 +12,7 @@ see :mod:`grpo_accel.sglang.sender`), the server keeps it and finishes it with t
 ``abort``, it comes back cut short and is continued here from prompt + what it had, with the budget left; one
 still waiting in the server's queue comes back with nothing and is sent again. Either way every token keeps the
 logprob of the weights that drew it, and the row records the oldest version and the newest
-(``weight_version_last``): from the spans each answer carries (``meta_info.weight_versions``, 0.5.23), else from
+(``weight_version_last``): from the spans each answer carries (``meta_info.weight_versions``, 0.5.19+), else from
 the server's version when the request was sent and when it answered.
 
 Only an abort that brought nothing while the server's weights stayed the same counts against ``retries``: one a
@@ -102,7 +102,8 @@ class SGLangEngine(RolloutEngine):
                              "[http://host:30000].")
         self.clients = [HTTPClient(u, api_key, request_timeout_s, retries, backoff_s, setting(names, "api_key"))
                         for u in urls]
-        self.admins = {c.url: HTTPClient(c.url, admin_api_key or api_key, 30.0, 0) for c in self.clients}
+        self.admins = {c.url: HTTPClient(c.url, admin_api_key or api_key, 30.0, 0, backoff_s,
+                                         setting(names, "admin_api_key")) for c in self.clients}
         self.stop_ids = {tokenizer.eos_token_id, *stop_token_ids}
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.retries = retries
