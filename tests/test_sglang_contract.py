@@ -26,7 +26,7 @@ def every_request(session: bool):
                                               api.sampling_params(8, 0.0, 1.0, 20, seed=None, stop_token_ids=[5, 9])],
                      ["3f2a", "3f2b"]),
         api.prompt_logprobs(list(range(1, 33))), api.prompt_logprobs(list(range(1, 33)), dp_rank=1),
-        api.abort_request("3f2a"), api.release_memory_occupation(list(api.MEMORY_TAGS)),
+        api.abort_request("3f2a"), api.abort_all_requests(), api.release_memory_occupation(list(api.MEMORY_TAGS)),
         api.resume_memory_occupation(["kv_cache"]),
         *(api.pause_generation(mode) for mode in api.PAUSE_MODES), api.continue_generation(),
         api.init_weights_update_group("10.0.0.1", 29600, 1, 3, "weight_update_group-ab12cd34-1", "nccl"),
@@ -89,6 +89,9 @@ def test_the_client_knows_each_releases_weight_update_rules(source):
     assert f'_create_error_response("{api.WEIGHTS_BY_NAME_MISSING}")' in source.text("sglang/srt/entrypoints/http_server.py")
     assert "LlamaForCausalLM" in source.weights_by_name_architectures
     assert "Qwen2ForCausalLM" not in source.weights_by_name_architectures
+    # per-token weight versions in the answers, and the abort route the engine and a starting sender use
+    assert info.reports_token_versions == (source.weight_versions is not None)
+    assert source.routes["/abort_request"].auth_level == "ADMIN_OPTIONAL"
 
 
 def test_versions_in_and_out_of_the_supported_range(caplog):
