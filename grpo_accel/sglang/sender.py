@@ -287,23 +287,23 @@ class SGLangSender(WeightSender):
 
     def _compare(self, version: str, expected: dict, probe: list[int], trainer_logprobs: torch.Tensor | None) -> None:
         for client, reader, info, by_name in zip(self.clients, self.readers, self.servers, self._by_name):
-            for rank in range(info.dp_ranks):
-                where = f"{client.url}{f' (dp rank {rank})' if info.dp_ranks > 1 else ''}"
-                if by_name:
-                    self._compare_by_name(client, info, rank, where, expected)
-                else:
-                    self._compare_probe(reader, info, rank, where, version, probe, trainer_logprobs)
+            if by_name:
+                self._compare_by_name(client, info, expected)
+            else:
+                for rank in range(info.dp_ranks):
+                    self._compare_probe(reader, info, rank, version, probe, trainer_logprobs)
 
-    def _compare_by_name(self, client: HTTPClient, info: api.ServerInfo, rank: int, where: str, expected: dict) -> None:
+    def _compare_by_name(self, client: HTTPClient, info: api.ServerInfo, expected: dict) -> None:
         for name, value in expected.items():
-            rows = self._rows(client, info, name, 4)
-            got = torch.tensor(rows[rank] if rows is not None else [])
-            want = value.reshape(-1)[: got.numel()] if value.dim() < 2 else value[: got.shape[0]]
-            if got.shape != want.shape or not torch.allclose(got.float(), want.reshape(got.shape), atol=1e-2):
-                raise WeightSyncError(f"{where}: {name} differs from the trainer's after the update.")
+            for rank, rows in enumerate(self._rows(client, info, name, 4) or [[]] * info.dp_ranks):
+                got = torch.tensor(rows)
+                want = value.reshape(-1)[: got.numel()] if value.dim() < 2 else value[: got.shape[0]]
+                if got.shape != want.shape or not torch.allclose(got.float(), want.reshape(got.shape), atol=1e-2):
+                    raise WeightSyncError(f"{_where(info, rank)}: {name} differs from the trainer's after the update.")
 
-    def _compare_probe(self, client: HTTPClient, info: api.ServerInfo, rank: int, where: str, version: str,
-                       probe: list[int], trainer: torch.Tensor) -> None:
+    def _compare_probe(self, client: HTTPClient, info: api.ServerInfo, rank: int, version: str, probe: list[int],
+                       trainer: torch.Tensor) -> None:
+        where = _where(info, rank)
         answer = client.post(*api.prompt_logprobs(probe, rank if info.dp_ranks > 1 else None))
         meta = (answer[0] if isinstance(answer, list) else answer)["meta_info"]
         if str(meta.get("weight_version")) != version:
@@ -315,3 +315,8 @@ class SGLangSender(WeightSender):
             raise WeightSyncError(f"{where}: probe logprobs differ from the trainer's by {gap:.4f} on average "
                                   f"(allowed {PROBE_TOLERANCE[self.dtype]} at {dtype_name(self.dtype)}): the "
                                   "server does not hold the pushed weights.")
+
+
+def _where(info: api.ServerInfo, rank: int) -> str:
+    """A server, and which of its dp ranks where it has several."""
+    return f"{info.url} (dp rank {rank})" if info.dp_ranks > 1 else info.url
