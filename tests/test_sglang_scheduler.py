@@ -292,3 +292,27 @@ def test_a_colocated_run_survives_a_sigkilled_trainer_and_its_resume(tmp_path, m
     assert resumed[:2] == [("/resume_memory_occupation", ["weights", "cuda_graph"]),
                            ("/resume_memory_occupation", ["kv_cache"])]
     assert counts(url)["released"] == []
+
+
+def test_a_push_that_fails_half_way_resumes_each_server_only_what_it_still_has_released(accelerator, model_dir,
+                                                                                         servers):
+    """Two colocated servers; the first push's resume fails on one of them (an error answer: it resumed nothing)
+    while the other resumed. The next attempt resumes only the one that did not (resuming the other again would
+    kill it), and both end on the trainer's weights with all their memory back."""
+    from transformers import AutoModelForCausalLM
+
+    urls = [servers.get(model_dir, "--enable-memory-saver", version=v) for v in VERSIONS]
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    sender = distributed_sender(accelerator, model, urls)
+    sender.release_memory()
+    fail_next(urls[1], "/resume_memory_occupation", "http_500")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05)
+    sender.update_weights()
+    for url in urls:
+        assert control(url, "/_standin/digest") == digests(model) and counts(url)["released"] == []
+    resumes = [[b["tags"] for p, b in server_state(url)["requests"] if p == "/resume_memory_occupation"] for url in urls]
+    assert resumes == [[["weights", "cuda_graph"], ["kv_cache"]],
+                       [["weights", "cuda_graph"], ["weights", "cuda_graph"], ["kv_cache"]]]
+    sender.close()

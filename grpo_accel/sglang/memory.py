@@ -16,9 +16,10 @@ import concurrent.futures
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 
-from grpo_accel.http import HTTPClient
+from grpo_accel.http import HTTPClient, ServerError
 from grpo_accel.sglang import api
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class ServerMemory:
         self.clients, self.record = clients, None if record is None else Path(record)
         self.instances = {c.url: info.instance for c, info in zip(clients, servers)}
         self.released: dict[str, set[str]] = {c.url: set() for c in clients}
+        self._lock = threading.Lock()  # the servers' calls run at once, each writing its record
         self._read()
 
     def _read(self) -> None:
@@ -73,20 +75,34 @@ class ServerMemory:
                    api.resume_memory_occupation, lambda url, wanted: self.released[url] - set(wanted))
 
     def _each(self, wanted_of, request, after) -> None:
-        """Per server with something to do: record the state after the call, then make it (all servers at once)."""
+        """Per server with something to do: record the state after the call, then make it (all servers at once).
+        A server that answers with an error did not make the change: its record goes back (one that does not
+        answer at all may have made it, and keeps the new record)."""
         calls = [(client, wanted_of(client.url)) for client in self.clients]
         calls = [(client, wanted) for client, wanted in calls if wanted]
+        before = {client.url: set(self.released[client.url]) for client, _ in calls}
         for client, wanted in calls:
             self._write(client.url, after(client.url, wanted))
+
+        def call(client: HTTPClient, wanted: list[str]) -> None:
+            try:
+                client.post(*request(wanted))
+            except ServerError as exc:
+                if exc.status is not None:
+                    self._write(client.url, before[client.url])
+                raise
+
         with concurrent.futures.ThreadPoolExecutor(max(1, len(calls))) as pool:
-            list(pool.map(lambda call: call[0].post(*request(call[1])), calls))
+            for future in [pool.submit(call, client, wanted) for client, wanted in calls]:
+                future.result()
 
     def _write(self, url: str, tags: set[str]) -> None:
-        self.released[url] = tags
-        if self.record is None:
-            return
-        entries = {u: {"instance": self.instances[u], "released": sorted(t)} for u, t in self.released.items()}
-        self.record.parent.mkdir(parents=True, exist_ok=True)
-        part = self.record.with_name(self.record.name + ".part")
-        part.write_text(json.dumps(entries, indent=1))
-        os.replace(part, self.record)  # atomic: a kill leaves the old record or the new one
+        with self._lock:
+            self.released[url] = tags
+            if self.record is None:
+                return
+            entries = {u: {"instance": self.instances[u], "released": sorted(t)} for u, t in self.released.items()}
+            self.record.parent.mkdir(parents=True, exist_ok=True)
+            part = self.record.with_name(self.record.name + ".part")
+            part.write_text(json.dumps(entries, indent=1))
+            os.replace(part, self.record)  # atomic: a kill leaves the old record or the new one
