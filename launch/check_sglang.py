@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch
 import yaml
 
-from grpo_accel.http import HTTPClient, ServerError
+from grpo_accel.http import HTTPClient
 from grpo_accel.sglang import api
 
 PROMPTS = ["What is 2+3?", "Name a colour.", "1+2=", "Write one word."]
@@ -74,14 +74,8 @@ def check(url: str, run: Path, api_key: str | None, admin_api_key: str | None) -
     named = list(model.named_parameters())
     checked, mismatched = 0, []
     for name, p in named[:3] + named[-1:]:
-        try:
-            answer = admin.post(*api.get_weights_by_name(name, 4))
-        except ServerError as exc:
-            if api.WEIGHTS_BY_NAME_MISSING not in str(exc):
-                raise
-            answer = None
-        ranks = answer if info.dp_ranks > 1 else [answer]  # one entry per dp rank (null: no such method)
-        if any(rows is None for rows in ranks):
+        ranks = api.read_weight_rows(admin, info, name, 4)  # one entry per dp rank
+        if ranks is None:
             verdicts.append(("weights", "SKIP", f"the served {info.url} model has no /get_weights_by_name"))
             break
         checked += 1

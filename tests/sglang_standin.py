@@ -165,7 +165,7 @@ class Server(Scheduling, WeightUpdates):
                 "max_running_requests": a.max_running_requests, "random_seed": self.random_seed,
                 "enable_deterministic_inference": a.deterministic, "version": self.source.version_string,
                 "model_path": a.model, "status": "ready", "max_total_num_tokens": a.max_total_tokens,
-                "max_req_input_len": self.max_req_len - 5,
+                "max_req_input_len": self.max_req_input_len,
                 "internal_states": [{"effective_max_running_requests_per_dp": r.max_running} for r in self.dp_ranks]}
         if self.source.dp_attention_is_attn_dp:
             info["attn_dp_size"] = attn_dp

@@ -36,6 +36,10 @@ class Scheduling:
     def max_req_len(self) -> int:
         return min(self.context_len - 1, self.args.max_total_tokens - 1)
 
+    @property
+    def max_req_input_len(self) -> int:
+        return self.max_req_len - 5
+
     def generate(self, body: dict, how: str | None):
         error = self.source.generate_contract_error(body)
         if error is not None:
@@ -94,7 +98,7 @@ class Scheduling:
                     target, self._next_rank = self.dp_ranks[self._next_rank], (self._next_rank + 1) % len(self.dp_ranks)
                 else:
                     target = self.dp_ranks[rank]
-                limit = self.max_req_len - 5  # max_req_input_len
+                limit = self.max_req_input_len
                 if len(req.prompt) >= limit:  # validate_input_length, then set_finish_with_abort
                     req.finish = {"type": "abort", "status_code": 400, "err_type": "BadRequestError", "message": (
                         f"Input length ({len(req.prompt)} tokens) exceeds the maximum allowed length ({limit} "

@@ -66,6 +66,8 @@ import logging
 import re
 from dataclasses import dataclass
 
+from grpo_accel.http import ServerError
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED = ((0, 5, 9), (0, 5, 23))
@@ -169,6 +171,20 @@ def read_context_length(client) -> int:
     if not cards or not cards[0].get("max_model_len"):
         raise ValueError(f"{client.url}/v1/models reports no max_model_len: is this an SGLang server?")
     return int(cards[0]["max_model_len"])
+
+
+def read_weight_rows(client, info: ServerInfo, name: str, truncate_size: int) -> list | None:
+    """The first rows of parameter ``name`` on each dp rank of the server (``POST /get_weights_by_name``), or None
+    where its model class lacks the method: one rank answers 400 "Get parameter by name failed", several answer a
+    list with null entries (200)."""
+    try:
+        answer = client.post(*get_weights_by_name(name, truncate_size))
+    except ServerError as exc:
+        if WEIGHTS_BY_NAME_MISSING not in str(exc):
+            raise
+        return None
+    ranks = answer if info.dp_ranks > 1 else [answer]
+    return None if any(rows is None for rows in ranks) else ranks
 
 
 def read_weight_version(client) -> str:

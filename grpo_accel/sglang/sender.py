@@ -245,7 +245,7 @@ class SGLangSender(WeightSender):
         first = self.gather.weights[0].name
         by_name = []
         for client, info in zip(self.clients, self.servers):
-            by_name.append(self._rows(client, info, first, 1) is not None)
+            by_name.append(api.read_weight_rows(client, info, first, 1) is not None)
             if not by_name[-1]:
                 logger.warning("%s: the served model does not implement /get_weights_by_name; weights are checked "
                                "with a %d-token logprob probe and the reported weight version instead",
@@ -257,19 +257,6 @@ class SGLangSender(WeightSender):
             flag = broadcast(flag, from_process=0)
         self._probe_needed = bool(flag[0] > 0)
         return by_name
-
-    @staticmethod
-    def _rows(client: HTTPClient, info: api.ServerInfo, name: str, truncate_size: int) -> list | None:
-        """The first rows of ``name`` on each dp rank of the server, or None where its model class lacks
-        /get_weights_by_name (one rank answers 400; several answer a list with null entries, 200)."""
-        try:
-            answer = client.post(*api.get_weights_by_name(name, truncate_size))
-        except ServerError as exc:
-            if api.WEIGHTS_BY_NAME_MISSING not in str(exc):
-                raise
-            return None
-        ranks = answer if info.dp_ranks > 1 else [answer]
-        return None if any(rows is None for rows in ranks) else ranks
 
     def _probe_ids(self) -> list[int]:
         vocab = int(self.model.config.vocab_size)
@@ -295,7 +282,7 @@ class SGLangSender(WeightSender):
 
     def _compare_by_name(self, client: HTTPClient, info: api.ServerInfo, expected: dict) -> None:
         for name, value in expected.items():
-            for rank, rows in enumerate(self._rows(client, info, name, 4) or [[]] * info.dp_ranks):
+            for rank, rows in enumerate(api.read_weight_rows(client, info, name, 4) or [[]] * info.dp_ranks):
                 got = torch.tensor(rows)
                 want = value.reshape(-1)[: got.numel()] if value.dim() < 2 else value[: got.shape[0]]
                 if got.shape != want.shape or not torch.allclose(got.float(), want.reshape(got.shape), atol=1e-2):
