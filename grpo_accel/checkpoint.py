@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Mapping
 
 from grpo_accel.distributed import full_shape
+from grpo_accel.errors import UserError
 from grpo_accel.rules import check, setting
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ METADATA = "metadata.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be used; the message names the folder or file and what differs."""
 
 

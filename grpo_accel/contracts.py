@@ -131,9 +131,12 @@ class LossModule(nn.Module):
             (:meth:`add_reference_logprobs`).
         uses_old_logprobs: the loss reads pi_old (``old_logprobs``); the trainer stores them before optimising
             (:meth:`add_old_logprobs`) when a batch serves more than one optimizer step.
+        kl_outputs: the output keys that are KL terms or KL diagnostics (``log_kl=False`` leaves them out of
+            the logs).
     """
 
     uses_old_logprobs: bool = False
+    kl_outputs: tuple[str, ...] = ()
 
     def __init__(self, policy: nn.Module | None = None, reference: Any = None) -> None:
         super().__init__()
@@ -208,6 +211,11 @@ class Logger(ABC):
 
     @abstractmethod
     def log_scalar(self, name: str, value: float, step: int | None = None) -> None: ...
+
+    def log_scalars(self, scalars: dict[str, float], step: int | None = None) -> None:
+        """Several scalars of one step (the trainer's ~40 per log): one call each unless the logger batches them."""
+        for name, value in scalars.items():
+            self.log_scalar(name, value, step)
 
     def log_text(self, name: str, text: str, step: int | None = None) -> None:
         """Markdown text (completion samples); dropped unless the logger shows text."""

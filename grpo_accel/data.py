@@ -11,12 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+from grpo_accel.errors import UserError
 from grpo_accel.rules import setting
 
 ROLES = ("system", "user", "assistant", "tool")
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A dataset cannot be trained on; the message names the file or row, the column and the fix."""
 
 

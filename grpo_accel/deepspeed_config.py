@@ -7,12 +7,13 @@ import json
 import os
 from pathlib import Path
 
-from grpo_accel.distributed import deepspeed_launched
+from grpo_accel.distributed import deepspeed_launched, resolve_deepspeed_file
+from grpo_accel.errors import UserError
 
 OFFLOAD_KEYS = ("offload_optimizer", "offload_param")
 
 
-class DistributedConfigError(ValueError):
+class DistributedConfigError(UserError, ValueError):
     """A launcher / DeepSpeed configuration cannot work; the message names the file, the value and the fix."""
 
 
@@ -22,7 +23,8 @@ def read_deepspeed_file(path: str | Path) -> dict:
     if not path.is_file():
         raise DistributedConfigError(
             f"DeepSpeed config file {str(path)!r} does not exist (cwd {os.getcwd()!r}); point deepspeed_config_file "
-            "in the accelerate config at one of ds_configs/*.json, and launch from the repository root."
+            "in the accelerate config at an existing file: absolute, relative to the folder the launch starts from, "
+            "or ds_configs/<name>.json (the checkout's own, found from any folder)."
         )
     try:
         cfg = json.loads(path.read_text())
@@ -69,16 +71,12 @@ def preflight() -> dict:
     """
     if not deepspeed_launched():
         return {}
-    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    if not path or path.lower() == "none":
+    path = resolve_deepspeed_file()
+    if path is None:
         stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
         if stage not in ("0", "1", "2", "3"):
             raise DistributedConfigError(f"accelerate config zero_stage={stage!r}; ZeRO stages are 0, 1, 2 or 3.")
         return {"zero_optimization": {"stage": int(stage)}}
-    shipped = Path(__file__).resolve().parents[1] / path  # the checkout's ds_configs/, from any folder
-    if not Path(path).is_absolute() and not Path(path).exists() and shipped.is_file():
-        path = str(shipped)
-        os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = path  # what the Accelerator made next will read
     return read_deepspeed_file(path)
 
 

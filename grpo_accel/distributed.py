@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 from typing import Iterable, Iterator
 
 
@@ -94,6 +95,20 @@ def configure_deepspeed_for(accelerator, model, *, micro_batch: int, accumulatio
                             hidden_size=getattr(config, "hidden_size", None))
 
 
+def resolve_deepspeed_file() -> str | None:
+    """The launch's DeepSpeed file (``ACCELERATE_DEEPSPEED_CONFIG_FILE``) as a path that exists from here, or
+    None without one. A relative path that is not there from the current folder but names one of the checkout's
+    own files (``ds_configs/zero2.json``) becomes that file's absolute path, in the environment too: the
+    Accelerator reads it there. Done by :func:`make_accelerator`, which the launcher and the Python API share."""
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if not path or path.lower() == "none":
+        return None
+    shipped = Path(__file__).resolve().parents[1] / path
+    if not Path(path).is_absolute() and not Path(path).exists() and shipped.is_file():
+        path = os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(shipped)
+    return path
+
+
 def make_accelerator(gradient_accumulation_steps: int = 1, mixed_precision: str = "no"):
     """An ``accelerate.Accelerator``; without a GPU it uses gloo so that several processes really form a group.
 
@@ -109,6 +124,7 @@ def make_accelerator(gradient_accumulation_steps: int = 1, mixed_precision: str 
     world = launch_world_size()
     cpu_only = not torch.cuda.is_available()
     if deepspeed_launched():  # DeepSpeed JIT-builds ops under torch's build lock
+        resolve_deepspeed_file()
         clear_stale_build_locks()
         if cpu_only:
             skip_deepspeed_shm_op()

@@ -8,12 +8,13 @@ import urllib.error
 import urllib.request
 from typing import Mapping
 
+from grpo_accel.errors import UserError
 from grpo_accel.rules import setting
 
 logger = logging.getLogger(__name__)
 
 
-class ServerError(RuntimeError):
+class ServerError(UserError, RuntimeError):
     """The server answered with an error (message included; ``status`` is the HTTP status) or could not be
     reached (``status`` None)."""
 

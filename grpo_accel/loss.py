@@ -162,6 +162,21 @@ def engine_mismatch(trainer_logp: Tensor, engine_logp: Tensor, mask: Tensor) -> 
 # ------------------------------------------------------------------------------------------------ module
 
 
+LOSS_OUTPUTS = {  # GRPOLoss.forward's keys, once: loss_* are summed into the objective (torchrl's convention)
+    "loss_objective": "the clipped surrogate, aggregated and normalised",
+    "loss_kl": "kl_coef x the KL estimator to the reference (kl_coef > 0)",
+    "kl_ref": "the KL estimator to the reference, mean over tokens (kl_coef > 0)",
+    "clip_fraction": "share of tokens whose ratio was clipped",
+    "kl_approx": "KL(pi || pi_old), k3 form",
+    "ESS": "effective sample size of the importance ratios",
+    "entropy": "policy entropy, mean over tokens",
+    "ratio_mean": "importance ratio", "ratio_min": "importance ratio", "ratio_max": "importance ratio",
+    "engine_logprob_abs_diff": "mean |engine - trainer| logprob of the sampled tokens (sync)",
+    "engine_prob_ratio_max": "largest per-token probability ratio engine/trainer either way (sync)",
+}
+KL_OUTPUTS = ("loss_kl", "kl_ref", "kl_approx")
+
+
 class GRPOLoss(LossModule):
     """GRPO loss over a rollout TensorDict (keys in :mod:`grpo_accel.batch`).
 
@@ -190,6 +205,7 @@ class GRPOLoss(LossModule):
     """
 
     uses_old_logprobs = True
+    kl_outputs = KL_OUTPUTS
 
     def __init__(
         self,

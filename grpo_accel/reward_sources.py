@@ -16,15 +16,18 @@ import logging
 import math
 import multiprocessing
 import multiprocessing.connection
+import os
 import time
+from pathlib import Path
 from typing import Callable, Mapping
 
+from grpo_accel.errors import UserError
 from grpo_accel.rules import setting
 
 logger = logging.getLogger(__name__)
 
 
-class RewardFault(RuntimeError):
+class RewardFault(UserError, RuntimeError):
     """A reward source failed with no fallback set; the message names the reward and its setting."""
 
 
@@ -67,7 +70,10 @@ class AsyncReward(RewardSource):
 
 
 def is_finite_number(value) -> bool:
-    """Whether ``value`` reads as a finite float (a reward must)."""
+    """Whether ``value`` is a finite real number, as a reward must be: an int, float, bool (0 or 1), numpy or
+    one-element torch number; not a string, even one that reads as a number (``"1.0"`` is a bug upstream)."""
+    if isinstance(value, (str, bytes)):
+        return False
     try:
         return math.isfinite(float(value))
     except (TypeError, ValueError):
@@ -237,6 +243,28 @@ class RemoteReward(RewardSource):
 # ------------------------------------------------------------------------------------------ reward models
 
 
+def check_classifier(path: str) -> None:
+    """A ValueError unless ``path`` names a sequence-classification model (a local folder, or a hub id where a
+    hub is reachable): what it is instead and what is expected, in one line."""
+    from transformers import AutoConfig
+
+    local = Path(path)
+    if local.exists() or os.sep in path or path.startswith("."):
+        if not (local / "config.json").is_file():
+            raise ValueError(f"{path!r} is not a model folder ({'no such path' if not local.exists() else 'no config.json'}); "
+                             "name the folder a sequence-classification model was saved in (save_pretrained).")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path!r}: cannot read a model config there ({str(exc).splitlines()[0]}); name a "
+                         "sequence-classification model's folder.") from None
+    architectures = config.architectures or []
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        raise ValueError(f"{path!r} is a {', '.join(architectures) or config.model_type} model, not a sequence "
+                         "classifier: a reward model must be a *ForSequenceClassification model with a trained "
+                         "score head (e.g. trained with TRL's RewardTrainer).")
+
+
 class RewardModel(RewardSource):
     """A Hugging Face sequence-classification model as a reward: prompt + completion rendered with the reward
     model's own chat template (chat prompts) or joined as text, scored in batches of ``batch_size`` in ``dtype``
@@ -257,11 +285,17 @@ class RewardModel(RewardSource):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        check_classifier(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.tokenizer.padding_side = "right"
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=getattr(torch, dtype))
+        self.model, loaded = AutoModelForSequenceClassification.from_pretrained(path, dtype=getattr(torch, dtype),
+                                                                                output_loading_info=True)
+        if loaded["missing_keys"]:  # a fresh, random head would score every completion at random
+            raise ValueError(f"{path!r}: the folder does not hold all of the model's weights (missing "
+                             f"{sorted(loaded['missing_keys'])[:3]}), so its head would be random; a reward model "
+                             "must be a sequence classifier saved with its trained head (save_pretrained).")
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.to(self.device).eval().requires_grad_(False)
 

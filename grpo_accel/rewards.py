@@ -26,11 +26,14 @@ import asyncio
 import inspect
 import re
 import threading
+from collections.abc import Iterable
 from typing import Callable, Mapping, Sequence
 
 import torch
 from tensordict import TensorDict
 
+from grpo_accel.advantages import standardised
+from grpo_accel.errors import UserError
 from grpo_accel.reward_sources import RewardFault, RewardSource, is_finite_number
 
 RewardFn = Callable[..., Sequence[float]]
@@ -47,7 +50,7 @@ def standardise(values: torch.Tensor, mode: str, group_size: int | None = None) 
     if mode == "group" and not group_size:
         raise ValueError("normalize='group' needs the group size")
     x = values.view(-1, group_size) if mode == "group" else values.view(1, -1)
-    return ((x - x.mean(1, keepdim=True)) / (x.std(1, unbiased=False, keepdim=True) + 1e-6)).reshape(-1)
+    return standardised(x, x.mean(1, keepdim=True), sample_std=False, eps=1e-6).reshape(-1)
 
 
 def is_async_reward(fn) -> bool:
@@ -159,7 +162,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {"answer_match": answer_match, "format_ma
                                         "math_answer": math_answer, "env_reward": env_reward}
 
 
-class RewardError(RuntimeError):
+class RewardError(UserError, RuntimeError):
     """A reward function failed or returned something unusable; the message names it."""
 
 
@@ -251,9 +254,9 @@ class RewardSet:
             if name in awaited:
                 if isinstance(awaited[name], BaseException):
                     raise awaited[name]
-                values = list(awaited[name])
+                returned = awaited[name]
             else:
-                values = list(fn(prompts, completions, **fields))
+                returned = fn(prompts, completions, **fields)
         except RewardFault:
             raise
         except Exception as exc:
@@ -262,6 +265,11 @@ class RewardSet:
                                             f"{completions[row]!r})")
             raise RewardError(f"reward function {name!r} raised {type(exc).__name__}: {exc}{where}; fix the "
                               "function or make it return 0.0 where it cannot score.") from exc
+        if isinstance(returned, (str, bytes)) or not isinstance(returned, Iterable):
+            raise RewardError(f"reward function {name!r} returned {returned!r} ({type(returned).__name__}) for "
+                              f"{len(completions)} completions; it must return a list with one float per "
+                              "completion.")
+        values = list(returned)
         if len(values) != len(completions):
             raise RewardError(
                 f"reward function {name!r} returned {len(values)} values for {len(completions)} completions; "
@@ -271,8 +279,8 @@ class RewardSet:
             if not is_finite_number(v):
                 raise RewardError(
                     f"reward function {name!r} returned {v!r} for completion {i} (prompt {prompts[i]!r}, "
-                    f"completion {completions[i]!r}); rewards must be finite floats: fix the function or map "
-                    "failures to a finite value such as 0.0."
+                    f"completion {completions[i]!r}); rewards must be finite numbers (bools count as 0 and 1; "
+                    "strings are refused): fix the function or map failures to a finite value such as 0.0."
                 )
         return torch.tensor([float(v) for v in values], dtype=torch.float32)
 

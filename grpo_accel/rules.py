@@ -12,6 +12,12 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, NamedTuple
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+"""Weights' dtypes a setting may name (a reward model's, the weight push's, an export's)."""
+TRAINING_DTYPES = ("float32", "bfloat16")
+"""``model.dtype``: float16 weights train without loss scaling; ``trainer.mixed_precision=fp16`` autocasts."""
+
+
 class Rule(NamedTuple):
     ok: Callable[[Any], bool]
     fix: str  # the reason and the fix, after "name=value: "

@@ -94,7 +94,8 @@ class GRPOTrainer:
         self.replay_buffer.batch_size = micro_batch
         self.layout.check_steps(micro_batch, gradient_accumulation_steps, optim_steps_per_batch)
         self.logger, self.async_collection, self.max_staleness = as_logger(logger), async_collection, max_staleness
-        settings = ReportSettings(**{f.name: args[f.name] for f in dataclasses.fields(ReportSettings)})  # same names
+        settings = ReportSettings(**{f.name: args[f.name] for f in dataclasses.fields(ReportSettings)  # same names
+                                     if f.name in args}, kl_outputs=loss_module.kl_outputs)
         self.reporter = Reporter(acc, self.logger, settings, collector.tokenizer)
         self.stepper = optimization_stepper or MixedPrecisionOptimizationStepper(optimizer, clip_norm, mixed_precision,
                                                                                  autocast_dtype)
@@ -134,6 +135,9 @@ class GRPOTrainer:
         """
         if self.checkpoint is not None and (path := self.checkpoint.resume_path()) is not None:
             self._resume(path)
+            if self.frames >= self.total_frames:  # a finished run resumed: not one more batch
+                logger.info("nothing to train: %s holds %d of total_frames=%d", path, self.frames, self.total_frames)
+                return
             if self.weight_sync_sender is not None:  # the engine's weights are unknown to a new process
                 self.weight_sync_sender.push(self.weight_version)
         self.hooks.run("pre_train", self)
@@ -207,6 +211,8 @@ class GRPOTrainer:
             final = self._files.save(self.iterations, self.state_dict(), info, self.loss_module,
                                      self.unwrapped_loss.policy, self.collector.tokenizer)
         self._saved_at = self.iterations
+        if self.logger is not None:  # the curves up to a checkpoint are on disk with it (a resume purges after it)
+            self.logger.flush()
         return final
 
     # ----------------------------------------------------------------------------------------- the loop

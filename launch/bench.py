@@ -24,8 +24,10 @@ import argparse
 import copy
 import json
 import resource
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -207,7 +209,10 @@ def _tokenizer_and_model(args):
     return tokenizer, build_tiny_model(tokenizer, TinyModelSpec(hidden, layers, heads, inter, max_positions=256), seed=0)
 
 
-LOOP_VARIANTS = ("sync", "async", "async+worker")  # async: trainer.async_collection; +worker: rollout.embedded_worker
+LOOP_VARIANTS = ("sync", "async", "async+worker", "launcher")
+"""async: trainer.async_collection; +worker: rollout.embedded_worker; launcher: the trainer ``launch/train.py``
+builds from its config (``grpo_accel.recipe.build.build_trainer``, every other setting default: TensorBoard,
+progress, samples, checkpoints), on the same work as sync."""
 
 
 def loop(args, model, tokenizer, rows: list[dict], rewards, accelerator) -> dict[str, dict]:
@@ -218,16 +223,22 @@ def loop(args, model, tokenizer, rows: list[dict], rewards, accelerator) -> dict
     times: dict[str, dict[str, list[float]]] = {
         v: {"step": [], "generate": [], "optimise": [], "tokens": [], "first": []} for v in args.loop}
     threads = torch.get_num_threads()
+    folder = tempfile.mkdtemp(prefix="bench-model-")  # the launcher's model.name_or_path: the same weights
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     for _ in range(args.rounds):
         for variant in args.loop:
-            trainer, engine = _loop_trainer(args, variant, model, tokenizer, rows, rewards, accelerator)
+            if variant == "launcher":
+                trainer, close = _launcher_trainer(args, folder)
+            else:
+                trainer, close = _loop_trainer(args, variant, model, tokenizer, rows, rewards, accelerator)
             ends: list[float] = []
             trainer.register_op("post_iteration", lambda t: ends.append(time.perf_counter()), "bench_step_end")
             start = time.perf_counter()
             try:
                 trainer.train()
             finally:
-                engine.close()
+                close()
                 torch.set_num_threads(threads)  # a decode worker's engine took half of them
             got = times[variant]
             got["first"].append(ends[0] - start)
@@ -245,11 +256,13 @@ def loop(args, model, tokenizer, rows: list[dict], rewards, accelerator) -> dict
 
 def _loop_trainer(args, variant: str, model, tokenizer, rows, rewards, accelerator):
     from grpo_accel.loss import GRPOLoss
+    from grpo_accel.recipe.schema import OptimConfig
     from grpo_accel.rollout.collector import GRPOCollector
     from grpo_accel.rollout.embedded import EmbeddedEngine
     from grpo_accel.trainer import GRPOTrainer
     from grpo_accel.weight_sync.embedded import EmbeddedWeightSync
 
+    optim = OptimConfig()  # launch/train.py's AdamW: the launcher row's optimizer
     policy = copy.deepcopy(model)
     asynchronous = variant != "sync"
     engine = EmbeddedEngine(copy.deepcopy(policy) if asynchronous else policy, tokenizer,
@@ -258,11 +271,36 @@ def _loop_trainer(args, variant: str, model, tokenizer, rows, rewards, accelerat
     loss = GRPOLoss(policy, copy.deepcopy(model) if args.kl_coef else None, kl_coef=args.kl_coef)
     trainer = GRPOTrainer(
         collector=collector, total_frames=(args.warmup + args.steps + 1) * args.prompts * args.group, loss_module=loss,
-        optimizer=torch.optim.AdamW(policy.parameters(), lr=args.lr, fused=True), batch_size=args.micro_batch,
+        optimizer=torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=tuple(optim.betas),
+                                    weight_decay=optim.weight_decay, fused=True), batch_size=args.micro_batch,
         weight_sync_sender=EmbeddedWeightSync(engine, source=policy if asynchronous else None),
         empty_replay_buffer_on_weight_update=True, async_collection=asynchronous, log_timings=True, seed=0,
         accelerator=accelerator, log_samples=0)
-    return trainer, engine
+    return trainer, engine.close
+
+
+def _launcher_trainer(args, folder: str):
+    """The trainer of ``launch/train.py`` for the loop's work, with a fresh run folder; and what closes it."""
+    from grpo_accel.recipe.build import build_trainer
+    from grpo_accel.recipe.loading import load_config
+
+    out = tempfile.mkdtemp(prefix="bench-run-")
+    frames = (args.warmup + args.steps + 1) * args.prompts * args.group
+    cfg = load_config(None, [
+        f"model.name_or_path={folder}", "data.max_operand=49", f"rollout.prompts_per_batch={args.prompts}",
+        f"rollout.group_size={args.group}", f"rollout.max_new_tokens={args.max_new_tokens}",
+        f"rollout.decoder={args.decoder}", f"loss.kl_coef={args.kl_coef}", f"optim.lr={args.lr}",
+        f"trainer.micro_batch_completions={args.micro_batch}", f"trainer.total_frames={frames}",
+        "trainer.log_timings=true", f"output_dir={out}"])
+    trainer = build_trainer(cfg)
+
+    def close() -> None:  # as launch/train.py does after train()
+        trainer.weight_sync_sender.close()
+        trainer.collector.close()
+        trainer.logger.close()
+        shutil.rmtree(out, ignore_errors=True)
+
+    return trainer, close
 
 
 def _peak_memory_per_process(accelerator, device: torch.device) -> list[float]:

@@ -200,6 +200,14 @@ def _generation_items(engine, prompts: list[list[int]], group: int) -> list[Item
         items.append(Item("decode loop (rollout.decoder=fast)", transformers_generate, median_time(generate, reps=3), "s",
                           "transformers generate with the keyed sampler / our loop: one prefill per prompt, cache "
                           "allocated once, mask sliced, sampler fused (same tokens)"))
+        if engine.decoder.lean:
+            from grpo_accel.rollout.decode import Decoder
+
+            lean = median_time(generate, reps=3)
+            with _settings(engine, decoder=Decoder(engine.model, lean=False)):
+                wrapped = median_time(generate, reps=3)
+            items.append(Item("decode loop's lean forward", wrapped, lean, "s",
+                              "the model's forward / its modules called without transformers' wrappers (same tokens)"))
         with _settings(engine.decoder, no_grad=torch.no_grad):
             grad_mode = median_time(generate, reps=3)
         items.append(Item("decode loop in inference mode", grad_mode, median_time(generate, reps=3), "s",

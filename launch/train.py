@@ -2,8 +2,7 @@
 data, engine, rewards, loss, optimizer), which trains; this script adds the command line, the console, the run
 folder's lock, the summary and one-line errors.
 
-    accelerate launch --config_file accelerate_configs/single_process.yaml launch/train.py \
-        [--config launch/configs/default.yaml] [key=value ...]
+    accelerate launch --config_file accelerate_configs/single_process.yaml launch/train.py [--config F] [key=value ...]
 
 With no model named, this trains the built-in tiny Llama (random weights) on the built-in addition task.
 Outputs in ``output_dir``: config.yaml (resolved), tensorboard/ (event files), checkpoints/, summary.json.
@@ -26,8 +25,9 @@ sys.path.insert(1, str(Path.cwd()))  # reward functions named `module:function` 
 import yaml
 
 from grpo_accel.distributed import first_process
+from grpo_accel.errors import UserError
 from grpo_accel.recipe.loading import load_config, to_dict
-from grpo_accel.recipe.run_folder import RunFolderLock
+from grpo_accel.recipe.run_folder import RunFinished, RunFolderLock
 from grpo_accel.recipe.schema import GRPOConfig
 
 log = logging.getLogger("grpo_accel.train")
@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         lock.acquire()  # before anything is read or written there: one run per folder
     try:
         return run(cfg, start)
+    except RunFinished as done:  # the command of a finished run, again: nothing to do, nothing touched
+        log.info("%s", done)
+        return 0
     finally:
         if lock is not None:
             lock.release()
@@ -125,6 +128,7 @@ def run(cfg: GRPOConfig, start: float) -> int:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         log.info("summary: %s", json.dumps(summary))
         saved = trainer.checkpoint.complete() if trainer.checkpoint is not None else []
+        log.info("%s", human_summary(summary, trainer.frames, saved[-1] if saved else None, out))
         if trainer.stop_reason is not None and saved:
             log.warning("stopped (%s) after %d frames, saved in %s; to continue, run the same command with "
                         "checkpoint.resume=auto", trainer.stop_reason, trainer.frames, saved[-1])
@@ -132,25 +136,18 @@ def run(cfg: GRPOConfig, start: float) -> int:
     return 0
 
 
-def user_errors() -> tuple[type[Exception], ...]:
-    """Our errors whose message names the setting or file, the value and the fix: no traceback needed."""
-    from grpo_accel.checkpoint import CheckpointError
-    from grpo_accel.data import DataError
-    from grpo_accel.deepspeed_config import DistributedConfigError
-    from grpo_accel.http import ServerError
-    from grpo_accel.recipe.checks import ConfigError
-    from grpo_accel.recipe.run_folder import RunFolderBusy
-    from grpo_accel.reward_sources import RewardFault
-    from grpo_accel.rewards import RewardError
-    from grpo_accel.rollout.episodes import EpisodeError
-    from grpo_accel.sglang.sender import WeightSyncError
-
-    return (ConfigError, DataError, DistributedConfigError, CheckpointError, RunFolderBusy, RewardError, RewardFault,
-            EpisodeError, ServerError, WeightSyncError)
+def human_summary(summary: dict, frames: int, checkpoint: Path | None, out: Path) -> str:
+    """The end of a run in a few lines for a person (the JSON line above is for scripts)."""
+    return "\n".join([
+        f"done: {frames} frames (completions) in {summary['final_iteration']} batches; this run {summary['wall_time_s']:.1f} s",
+        f"  reward: {summary['reward_first10_mean']:.3f} (first 10 batches) -> {summary['reward_last10_mean']:.3f} "
+        "(last 10)",
+        f"  final checkpoint: {checkpoint if checkpoint is not None else 'none'}",
+        f"  curves: tensorboard --logdir {out / 'tensorboard'}"])
 
 
 def main_reporting_errors(argv: list[str] | None = None) -> int:
-    """``main()``; one of :func:`user_errors` becomes one line on stderr and exit code 2 instead of a traceback
+    """``main()``; a :class:`~grpo_accel.errors.UserError` becomes one line on stderr and exit code 2 instead of a traceback
     per process. Before the process group exists every process meets the same error, so rank 0 alone says it
     (the others wait a moment, so that rank 0's is the first failure); after, each failing process says it with
     its rank. Under torchrun the line also goes to the agent's error file, so the launcher's failure report shows
@@ -161,10 +158,10 @@ def main_reporting_errors(argv: list[str] | None = None) -> int:
         try:
             return main(argv)
         except HookError as err:  # e.g. a user hook (evaluation) meeting a bad setting or file
-            if isinstance(err.__cause__, user_errors()):
+            if isinstance(err.__cause__, UserError):
                 raise err.__cause__ from None
             raise
-    except user_errors() as err:
+    except UserError as err:
         import torch.distributed as dist
 
         from grpo_accel.distributed import launch_world_size

@@ -3,9 +3,11 @@
 The work: the 82,496-parameter Qwen2 of ``grpo_accel.tasks.tiny.build_tiny_qwen2`` (random weights, character
 tokenizer), prompts "a+b=" with a, b in 0..49, the answer_match and format_match rewards, 2 prompts x 4
 completions per step, up to 32 new tokens, temperature 1, KL 0.04, learning rate 1e-4, float32 (TRL's bf16
-default turned off), one process, one torch thread for training. Each round runs TRL, then
-``python launch/bench.py --size tiny --loop ...`` for every grpo_accel variant and decoder asked for; the
-table gives the median over rounds of each run's median step time.
+default turned off), one process, one torch thread for training. Each round runs TRL, then the README's command
+(``accelerate launch --config_file accelerate_configs/single_process.yaml launch/train.py`` with overrides for
+this work and every other setting default; its step times are the wall-time gaps of its TensorBoard events),
+then ``python launch/bench.py --size tiny --loop ...`` for every variant and decoder asked for (none by
+default); the table gives the median over rounds of each run's median step time.
 
 TRL is not a dependency: install it in an environment of its own (same torch and transformers) and name its
 python with ``--trl-python``:
@@ -28,24 +30,21 @@ ROOT = Path(__file__).resolve().parents[1]
 WORK = {"prompts": 2, "group": 4, "max_new_tokens": 32, "kl_coef": 0.04, "lr": 1e-4}
 
 
-def trl_side(steps: int, warmup: int) -> dict:
+def trl_side(steps: int, warmup: int, model: str | None, threads: int) -> dict:
     """TRL's median step time on the work (run inside TRL's environment)."""
     import time
 
     import torch
     from datasets import Dataset
-    from transformers import TrainerCallback
+    from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from grpo_accel.rewards import answer_match, format_match
     from grpo_accel.tasks.addition import addition_rows
-    from grpo_accel.tasks.tiny import build_char_tokenizer, build_tiny_qwen2
 
-    torch.set_num_threads(1)
-    tokenizer = build_char_tokenizer()
-    folder = tempfile.mkdtemp()  # TRL builds its reference model from a path
-    build_tiny_qwen2(tokenizer, seed=0).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    torch.set_num_threads(threads)
+    folder = model or str(tiny_model_folder(tempfile.mkdtemp()))  # TRL builds its reference model from a path
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     ends: list[float] = []
 
     class StepEnds(TrainerCallback):
@@ -66,28 +65,71 @@ def trl_side(steps: int, warmup: int) -> dict:
     return {"step_s": statistics.median(steps_s), "completion_tokens_mean": lengths[-1] if lengths else None}
 
 
+def tiny_model_folder(folder: str | Path) -> Path:
+    """The tiny Qwen2 of the work, saved with its tokenizer in ``folder``."""
+    from grpo_accel.tasks.tiny import build_char_tokenizer, build_tiny_qwen2
+
+    tokenizer = build_char_tokenizer()
+    build_tiny_qwen2(tokenizer, seed=0).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return Path(folder)
+
+
+def command_side(steps: int, warmup: int, env: dict, model: str | None) -> dict:
+    """The README's command on the work: its median step from the wall times of its TensorBoard events."""
+    with tempfile.TemporaryDirectory() as folder:
+        model, out = model or tiny_model_folder(Path(folder) / "model"), Path(folder) / "run"
+        frames = (warmup + steps + 1) * WORK["prompts"] * WORK["group"]
+        subprocess.run([str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+                        str(ROOT / "accelerate_configs" / "single_process.yaml"), str(ROOT / "launch" / "train.py"),
+                        f"model.name_or_path={model}", "data.max_operand=49",
+                        f"rollout.prompts_per_batch={WORK['prompts']}", f"rollout.group_size={WORK['group']}",
+                        f"rollout.max_new_tokens={WORK['max_new_tokens']}", f"loss.kl_coef={WORK['kl_coef']}",
+                        f"optim.lr={WORK['lr']}", f"trainer.total_frames={frames}", f"output_dir={out}"],
+                       env=env, capture_output=True, check=True, cwd=ROOT)
+        return {"step_s": statistics.median(step_gaps(out / "tensorboard", warmup))}
+
+
+def step_gaps(log_dir: Path, warmup: int) -> list[float]:
+    """Seconds between the logs of consecutive iterations (one log per iteration), after ``warmup`` of them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    ends = [e.wall_time for e in events.Scalars("train/reward_mean")]
+    return [b - a for a, b in zip(ends[warmup:], ends[warmup + 1:])]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trl-python", help="python of an environment with trl installed")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--variants", nargs="+", default=["sync", "async+worker"])
-    parser.add_argument("--decoders", nargs="+", default=["fast", "compiled"])
+    parser.add_argument("--variants", nargs="*", default=[], help="launch/bench.py --loop variants to add")
+    parser.add_argument("--decoders", nargs="+", default=["auto"], help="their rollout.decoder values")
+    parser.add_argument("--model", help="a model folder (weights + tokenizer) instead of the tiny Qwen2, e.g. "
+                                        "~/.cache/grpo_accel/models/smollm2-135m (the README command's side only)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of each side")
     parser.add_argument("--side", choices=["trl"], help=argparse.SUPPRESS)  # internal: one TRL run, JSON out
     args = parser.parse_args(argv)
     if args.side == "trl":
-        sys.stdout.write(json.dumps(trl_side(args.steps, args.warmup)) + "\n")
+        sys.stdout.write(json.dumps(trl_side(args.steps, args.warmup, args.model, args.threads)) + "\n")
         return 0
     if args.trl_python is None:
         parser.error("--trl-python is required (TRL is not a dependency of grpo_accel)")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "GRPO_ACCEL_THREADS": "1"}
+    if args.model and args.variants:
+        parser.error("--variants time launch/bench.py's tiny model; with --model only TRL and the README's command run")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GRPO_ACCEL_THREADS": str(args.threads)}
+    side = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
+            *(["--model", args.model] if args.model else [])]
     runs: dict[str, list[float]] = {}
     for _ in range(args.rounds):
-        out = subprocess.run([args.trl_python, __file__, "--side", "trl", "--steps", str(args.steps), "--warmup",
-                              str(args.warmup)], env=env, capture_output=True, text=True, check=True, cwd=ROOT)
+        out = subprocess.run([args.trl_python, __file__, "--side", "trl", *side], env=env, capture_output=True,
+                             text=True, check=True, cwd=ROOT)
         runs.setdefault("TRL GRPOTrainer", []).append(json.loads(out.stdout.splitlines()[-1])["step_s"])
-        for decoder in args.decoders:
+        runs.setdefault("grpo_accel, the README's command", []).append(command_side(args.steps, args.warmup, env, args.model)["step_s"])
+        for decoder in args.decoders if args.variants else []:
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
                 subprocess.run([sys.executable, str(ROOT / "launch" / "bench.py"), "--size", "tiny", "--loop", *args.variants,
                                 "--decoder", decoder, "--steps", str(args.steps), "--warmup", str(args.warmup),

@@ -120,14 +120,14 @@ def launch_as_in_readme(config: str, script_args: list[str], *, timeout: float =
 def launch(config: str, script_args: list[str], *, timeout: float = 300, expect_ok: bool = True,
            launcher_args: list[str] = (), env: dict | None = None,
            script: tuple[str, ...] = (str(ROOT / "launch" / "train.py"),),
-           prefix: list[str] = ()) -> subprocess.CompletedProcess:
+           prefix: list[str] = (), cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """``accelerate launch --config_file accelerate_configs/<config> <script> <script_args>``; the script is
     launch/train.py unless given (e.g. ``("launch/bench.py",)``); ``prefix`` runs it elsewhere (another network
-    namespace: tests/netns.py)."""
+    namespace: tests/netns.py), ``cwd`` from another folder."""
     cmd = [*prefix, *ACCELERATE, "--config_file", str(ROOT / "accelerate_configs" / config),
            "--main_process_port", str(free_port()), *launcher_args, *script, *script_args]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", **(env or {})}
-    proc = run_in_group(cmd, cwd=ROOT, env=full_env, timeout=timeout)
+    proc = run_in_group(cmd, cwd=cwd, env=full_env, timeout=timeout)
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
                              f"--- stderr (all ranks)\n{proc.stderr[-12000:]}")

@@ -18,7 +18,7 @@ ITEMS = {"old logprobs from the rollout", "no reference pass at kl_coef=0", "mic
          "padding-free packed training", "chunked logprobs: peak memory", "chunked logprobs: time",
          "generation batched over prompts x group", "decode loop (rollout.decoder=fast)",
          "episodes' later turns: prompt prefilled once", "generation stops when all finished",
-         "torch threads from the cores", "decode loop in inference mode", "fused AdamW step"}
+         "torch threads from the cores", "decode loop in inference mode", "fused AdamW step", "decode loop's lean forward"}
 
 
 def check_result(result: dict, processes: int) -> None:
@@ -80,15 +80,18 @@ def test_benchmark_takes_a_model_folder(tmp_path, model_folder, capsys):
 
 
 def test_loop_times_whole_iterations_of_each_variant(tmp_path, capsys):
+    """The launcher row is launch/train.py's trainer (recipe-built, defaults) on the sync row's work: the same
+    weights, prompts and keys, so the same completions."""
     result, printed = bench(capsys, tmp_path, "--size", "tiny", "--loop", "sync", "async",
-                            "async+worker", "--steps", "3", "--warmup", "1", "--prompts", "2", "--group", "2",
-                            "--max-new-tokens", "4", "--micro-batch", "4", "--kl-coef", "0.04", "--lr", "1e-4")
+                            "async+worker", "launcher", "--steps", "3", "--warmup", "1", "--prompts", "2", "--group", "2",
+                            "--max-new-tokens", "12", "--micro-batch", "4", "--kl-coef", "0.04", "--lr", "1e-4")
     assert result["parameters"] == 82496 and result["kl_coef"] == 0.04  # the TRL comparison's Qwen2
-    assert list(result["loop"]) == ["sync", "async", "async+worker"]
+    assert list(result["loop"]) == ["sync", "async", "async+worker", "launcher"]
     for variant in result["loop"].values():
         assert variant["measured_steps"] == 3 and 0 < variant["generate_s"] and 0 < variant["step_s"]
-        assert 1 <= variant["completion_tokens_mean"] <= 4
-    assert "async+worker" in printed and "steps/s" in printed
+        assert 1 <= variant["completion_tokens_mean"] <= 12
+    assert result["loop"]["launcher"]["completion_tokens_mean"] == result["loop"]["sync"]["completion_tokens_mean"]
+    assert "async+worker" in printed and "launcher" in printed and "steps/s" in printed
 
 
 def test_items_refuse_several_processes(monkeypatch):
@@ -110,3 +113,21 @@ def test_gpu_check_script_refuses_without_a_gpu():
     assert bench.returncode != 0 and "no CUDA device" in bench.stderr
     assert sglang.returncode != 0 and "FAIL  no GPU (nvidia-smi lists none)" in sglang.stdout
     assert other.returncode == 2 and "usage: bash launch/gpu_check.sh bench|sglang" in other.stderr
+
+
+def test_the_trl_comparison_reads_a_runs_steps_from_its_event_files(tmp_path, monkeypatch):
+    """launch/trl_parity.py times the README's command by the wall times of its TensorBoard events."""
+    import time
+
+    from grpo_accel.reporting.tracking import TensorBoardLogger
+
+    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    from trl_parity import step_gaps
+
+    logger = TensorBoardLogger(tmp_path)
+    for step in range(1, 6):
+        logger.log_scalars({"train/reward_mean": 0.5, "train/loss": 1.0}, step)
+        time.sleep(0.1 * step)
+    logger.close()
+    gaps = step_gaps(tmp_path, warmup=1)
+    assert len(gaps) == 3 and all(0.1 * k <= g < 0.1 * k + 0.5 for k, g in zip((2, 3, 4), gaps)), gaps  # after warmup

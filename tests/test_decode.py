@@ -28,6 +28,18 @@ def _llama(tokenizer, attention="sdpa"):
     return model
 
 
+def _qwen3(tokenizer):
+    """Qwen3: per-head q/k norms before the rotary embedding, grouped-query attention."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    return Qwen3ForCausalLM(config)
+
+
 def _lora(tokenizer):
     from grpo_accel.lora import apply_lora
 
@@ -54,15 +66,21 @@ def _ending(model, tokenizer, dtype=torch.float64):
     # float32: transformers' generate under eager attention turns left-padded float64 rows into NaN
     (lambda tok: _llama(tok, "eager"), {"temperature": 1.0}, torch.float32),
     (_lora, {"temperature": 0.7, "top_k": 5, "top_p": 0.9}, torch.float64),
-], ids=["llama", "qwen2-gqa-tied", "eager-attention", "lora-topk-topp"])
+    (_qwen3, {"temperature": 1.0}, torch.float64),
+], ids=["llama", "qwen2-gqa-tied", "eager-attention", "lora-topk-topp", "qwen3-qk-norm"])
 def test_fast_decoder_draws_what_generate_draws(tokenizer, build, sampling, dtype):
-    """In float64 no rounding can flip a draw, so the tokens must be equal; logprobs to float32 rounding."""
+    """In float64 no rounding can flip a draw, so the tokens must be equal; logprobs to float32 rounding. Under
+    sdpa the loop runs the lean forward (the model's modules without its wrappers), under eager the model's."""
     model = _ending(build(tokenizer), tokenizer, dtype)
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     fast = EmbeddedEngine(model, tokenizer, max_new_tokens=24, decoder="fast", **sampling)
     slow = EmbeddedEngine(model, tokenizer, max_new_tokens=24, decoder="generate", **sampling)
     assert fast.fast and not slow.fast
     a, b = fast.generate(prompts, 4, seeds=[5, 6, 7, 8]), slow.generate(prompts, 4, seeds=[5, 6, 7, 8])
+    assert fast.decoder.lean == (model.config._attn_implementation == "sdpa")
+    wrapped = Decoder(model, lean=False)(a[batch.PROMPT_IDS][::4], a[batch.PROMPT_MASK][::4], 4,
+                                         torch.tensor([s * 4 + j for s in [5, 6, 7, 8] for j in range(4)]), fast.settings)
+    assert torch.equal(wrapped[0][:, : a[batch.COMPLETION_IDS].shape[1]], a[batch.COMPLETION_IDS])  # lean = wrapped
     lengths = a[batch.COMPLETION_MASK].sum(1)
     assert lengths.min() < 12 and lengths.max() == 24, "rows must finish at different steps"
     for key in (batch.PROMPT_IDS, batch.PROMPT_MASK, batch.COMPLETION_IDS, batch.COMPLETION_MASK, batch.FINISH_REASON):

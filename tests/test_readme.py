@@ -24,10 +24,11 @@ ELSEWHERE = {  # how a command starts -> why it does not run in this suite, and 
     ".venv/bin/python launch/bench.py": "minutes at 10m parameters; tests/test_bench.py runs the benchmark small",
     ".venv/bin/accelerate launch --config_file accelerate_configs/zero3.yaml launch/bench.py":
         "minutes under ZeRO-3; tests/test_bench.py runs the benchmark under zero3.yaml small",
-    "GRPO_ACCEL_THREADS=1 .venv/bin/python launch/bench.py": "3 variants x 60 steps; tests/test_bench.py runs "
-        "--loop small",
+    "GRPO_ACCEL_THREADS=1 .venv/bin/python launch/bench.py": "2 variants x 3 rounds x 60 steps; tests/test_bench.py "
+        "runs --loop small, the launcher row included",
     "PYTHONPATH=. .venv/bin/python launch/trl_parity.py": "needs TRL in an environment of its own (not a "
-        "dependency); its grpo_accel half is bench --loop, run small in tests/test_bench.py",
+        "dependency); its grpo_accel half is the README's training command (run here) and bench --loop (run small "
+        "in tests/test_bench.py, which also reads step times from event files as it does)",
     "bash launch/gpu_check.sh": "needs a GPU; tests/test_bench.py checks that it refuses without one",
     ".venv/bin/python -m grpo_accel.models smollm2-135m": "downloads 93 MB; tests/conftest.py's smollm2 fixture "
         "runs the same conversion once per machine",

@@ -53,7 +53,7 @@ def test_accumulation_two_by_four_equals_one_by_eight(tokenizer):
         model = build_tiny_model(tokenizer, seed=0)
         trainer = make_trainer(tokenizer, model, prompts=2, group=4, total_frames=8, batch_size=batch_size,
                                gradient_accumulation_steps=ga, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-                               clip_norm=None)
+                               clip_norm=None, collector_seed=1)  # a batch whose groups' rewards differ: a step
         trainer.train()
         assert trainer.optim_steps == 1
         return torch.cat([p.detach().flatten() for p in model.parameters()]), trainer.history[0]["train/loss"]
@@ -103,6 +103,20 @@ def test_logging_switches(tokenizer, tiny_model):
     assert {"time/forward_backward", "time/ref_logprobs", "time/iteration"} <= keys
 
 
+def test_log_kl_leaves_out_the_losss_declared_kl_keys_only(tokenizer, tiny_model):
+    """log_kl=False dropped every scalar whose name held "kl" (a user's "custom/kl_bonus" too); it leaves out the
+    keys the loss declares (GRPOLoss.kl_outputs), every one of which the loss does output."""
+    from grpo_accel.loss import KL_OUTPUTS, LOSS_OUTPUTS
+
+    trainer = make_trainer(tokenizer, tiny_model, loss_kwargs={"reference": copy.deepcopy(tiny_model), "kl_coef": 0.1},
+                           log_kl=False)
+    trainer.register_op("log", lambda t, rollout, scalars: scalars.update({"custom/kl_bonus": 1.0}))
+    trainer.train()
+    keys = set(trainer.history[0])
+    assert "custom/kl_bonus" in keys and not keys & {f"train/{k}" for k in KL_OUTPUTS}
+    assert {f"train/{k}" for k in LOSS_OUTPUTS} - {f"train/{k}" for k in KL_OUTPUTS} <= keys
+
+
 def test_default_logging_has_the_documented_tags(tokenizer, tiny_model):
     trainer = make_trainer(tokenizer, tiny_model, loss_kwargs={"reference": copy.deepcopy(tiny_model), "kl_coef": 0.1})
     trainer.train()
@@ -111,6 +125,9 @@ def test_default_logging_has_the_documented_tags(tokenizer, tiny_model):
             "train/kl_ref", "train/clip_fraction", "train/kl_approx", "train/ESS", "train/entropy",
             "train/ratio_mean", "train/ratio_min", "train/ratio_max", "train/reward/answer_match_mean",
             "train/reward/format_match_mean", "train/optim_steps", "train/frames", "train/grad_norm"} <= keys
+    from grpo_accel.loss import LOSS_OUTPUTS
+
+    assert {f"train/{k}" for k in LOSS_OUTPUTS} <= keys  # the table is what the loss outputs
     assert {k for k in keys if k.startswith("time/")} == {"time/generate", "time/score"}  # the rest: log_timings
 
 

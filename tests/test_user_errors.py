@@ -36,10 +36,18 @@ def _raises(prompts, completions, **_):
     (lambda p, c, **_: [0.0, float("nan")], r"'f' returned nan for completion 1 \(prompt 'b', completion '3'\)"),
     (lambda p, c, **_: [0.0], r"'f' returned 1 values for 2 completions"),
     (lambda p, c, **_: ["good", "bad"], r"'f' returned 'good' for completion 0"),
+    (lambda p, c, **_: ["1.0", "0.0"], r"'f' returned '1.0' for completion 0 .*strings are refused"),
+    (lambda p, c, **_: None, r"'f' returned None \(NoneType\) for 2 completions; it must return a list with one "
+                             r"float per completion"),
+    (lambda p, c, **_: 1.0, r"'f' returned 1.0 \(float\) for 2 completions"),
 ])
 def test_a_reward_functions_mistake_names_it_and_the_row(fn, message):
     with pytest.raises(RewardError, match=message):
         RewardSet({"f": fn})(["a", "b"], ["1", "3"])
+
+
+def test_bools_count_as_0_and_1():
+    assert RewardSet({"f": lambda p, c, **_: [True, False]})(["a", "b"], ["1", "3"])["reward"].tolist() == [1.0, 0.0]
 
 
 def test_a_reward_error_is_one_line_and_exit_2_also_when_collected_in_the_background(tmp_path):
@@ -248,6 +256,52 @@ def test_a_bad_reward_module_is_refused_before_any_process_group(tmp_path):
     assert not dist.is_initialized()
 
 
+def test_a_reward_module_with_a_syntax_error_is_one_line_naming_file_and_line(tmp_path, monkeypatch):
+    from grpo_accel.recipe.checks import ConfigError
+    from trainer_utils import main_in_process
+
+    (tmp_path / "broken_rewards.py").write_text("def f(prompts, completions, **kw):\n    return [1.0 for c in]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        main_in_process("train", [f"output_dir={tmp_path}/run", "rewards=[{name: 'broken_rewards:f'}]"])
+    assert str(err.value).startswith(f"rewards name='broken_rewards:f': {tmp_path / 'broken_rewards.py'}, line 2: "
+                                     "SyntaxError: invalid syntax; fix the module."), err.value
+    assert "\n" not in str(err.value)
+
+
+def test_a_reward_model_must_be_a_classifier_with_its_head(tmp_path, tokenizer):
+    """A causal LM given as a reward model trained on the scores of a random head (exit 0); a missing path was a
+    90-line traceback. Both are refused at start in one line naming the path; a classifier saved without its head
+    too."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from grpo_accel.recipe.checks import ConfigError
+    from grpo_accel.recipe.parts import build_reward
+    from grpo_accel.recipe.rollout_schema import RewardConfig
+    from grpo_accel.tasks.tiny import build_tiny_model
+
+    causal = tmp_path / "causal"
+    build_tiny_model(tokenizer, seed=0).save_pretrained(causal)
+    tokenizer.save_pretrained(causal)
+    headless = tmp_path / "headless"
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=4, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    classifier = LlamaForSequenceClassification(config)
+    classifier.save_pretrained(headless, state_dict={k: v for k, v in classifier.state_dict().items() if "score" not in k})
+    tokenizer.save_pretrained(headless)
+    for path, message in [
+        (causal, f"rewards[name=reward_model].path='{causal}' is a LlamaForCausalLM model, not a sequence classifier: "
+                 "a reward model must be a *ForSequenceClassification model with a trained score head"),
+        (tmp_path / "nowhere", f"rewards[name=reward_model].path='{tmp_path / 'nowhere'}' is not a model folder (no "
+                               "such path)"),
+        (headless, f"rewards[name=reward_model].path='{headless}': the folder does not hold all of the model's "
+                   "weights (missing ['score.weight']), so its head would be random"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            build_reward(RewardConfig(name="reward_model", path=str(path)))
+        assert str(err.value).startswith(message) and "\n" not in str(err.value), err.value
+
+
 def test_without_a_terminal_progress_is_a_line_now_and_then(tmp_path, monkeypatch, caplog):
     """In a log file a tqdm bar redrew twice per batch (890 redraws in a short run); there it is one log line
     every reporter.PROGRESS_LINE_S seconds (0 here: one per batch), and no bar."""
@@ -319,3 +373,18 @@ def test_a_resume_on_changed_data_is_refused(tmp_path):
     data.write_text(data.read_text() + json.dumps({"prompt": "4+4=", "answer": "8"}) + "\n")
     with pytest.raises(ConfigError, match=rf"trained on other data: data.path={data} changed since"):
         train_in_process([*run, "trainer.total_frames=384", "checkpoint.resume=auto"])
+
+
+def test_a_prompt_that_fills_the_context_says_so_and_names_max_prompt_tokens():
+    """It said "Lower rollout.max_new_tokens to 0 or less": no budget can help such a prompt."""
+    from grpo_accel.data import DataError
+    from grpo_accel.rollout.collector import check_context
+
+    names = {"max_new_tokens": "rollout.max_new_tokens", "max_prompt_tokens": "rollout.max_prompt_tokens"}
+    with pytest.raises(DataError, match=r"^dataset row 1: its prompt is 9 tokens, as long as or longer than the 8 "
+                                        r"tokens a sequence may hold .*; set rollout.max_prompt_tokens \(now None\) "
+                                        r"below 8 so that such rows are refused when loaded") as err:
+        check_context([[1] * 3, [1] * 9], 8, 4, None, names)
+    assert "max_new_tokens" not in str(err.value)
+    with pytest.raises(DataError, match=r"^rollout.max_new_tokens=6: .* Lower rollout.max_new_tokens to 5 or less"):
+        check_context([[1] * 3], 8, 6, None, names)

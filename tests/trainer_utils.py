@@ -66,11 +66,12 @@ class RecordingLoss(GRPOLoss):
         return out
 
 
-def make_trainer(tokenizer, model, *, prompts=4, group=4, lr=3e-3, loss_kwargs=None, **kw):
+def make_trainer(tokenizer, model, *, prompts=4, group=4, lr=3e-3, loss_kwargs=None, collector_seed=0, **kw):
     torch.manual_seed(0)
     engine = EmbeddedEngine(model, tokenizer, max_new_tokens=4)
     rewards = RewardSet({"answer_match": answer_match, "format_match": format_match}, {"format_match": 0.2})
-    collector = GRPOCollector(engine, tokenizer, addition_rows(4)[0], rewards, layout=BatchLayout(prompts, group))
+    collector = GRPOCollector(engine, tokenizer, addition_rows(4)[0], rewards, layout=BatchLayout(prompts, group),
+                              seed=collector_seed)
     loss = RecordingLoss(model, **(loss_kwargs or {}))
     args = dict(
         collector=collector, total_frames=prompts * group * 3, loss_module=loss,

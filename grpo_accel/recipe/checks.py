@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from grpo_accel.errors import UserError
 from grpo_accel.rules import check, check_choice as choice, require
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration value is missing, unknown or invalid; the message says which and how to fix it."""
 
 

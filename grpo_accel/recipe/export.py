@@ -10,10 +10,14 @@ export rebuilds the base model the run trained from (``model.name_or_path``) and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import shutil
+import tempfile
 from pathlib import Path
 
 from grpo_accel.checkpoint import MARKER, CheckpointError
+from grpo_accel.rules import DTYPES
 
 logger = logging.getLogger(__name__)
 POLICY_PREFIX = "policy."
@@ -47,31 +51,73 @@ def policy_weights(state: dict) -> dict:
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | None = None,
-                      adapter: bool = False) -> Path:
+                      adapter: bool = False, replace: bool = False) -> Path:
     """Write the policy of ``checkpoint`` to ``out_dir`` as a transformers model folder (a LoRA run's merged model,
-    or with ``adapter`` its PEFT adapter folder); returns ``out_dir``."""
+    or with ``adapter`` its PEFT adapter folder); returns ``out_dir``.
+
+    ``out_dir`` must be new or empty, or ``replace`` set: the folder is written beside it and then takes its place
+    whole, so it never holds files of two exports (an old ``chat_template.jinja`` beside a new model)."""
     import torch
     from transformers import AutoTokenizer
 
     from grpo_accel.lora import is_lora, merged_model
 
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    check_target(out_dir, replace)
     model = load_policy(checkpoint)
-    if adapter:
-        if not is_lora(model):
-            raise CheckpointError(f"checkpoint {checkpoint}: --adapter needs a LoRA run (model.lora.r > 0); this one "
-                                  "trained every weight: export it without --adapter.")
-        model.save_pretrained(out_dir)  # adapter_config.json + adapter_model.safetensors
-        logger.info("exported the LoRA adapter of %s -> %s", checkpoint, out_dir)
-        return out_dir
-    model = merged_model(model)
-    if dtype is not None:
-        model = model.to(getattr(torch, dtype))
-    model.save_pretrained(out_dir, safe_serialization=True)
-    if (checkpoint / "hf" / "tokenizer_config.json").is_file():
-        AutoTokenizer.from_pretrained(checkpoint / "hf").save_pretrained(out_dir)
-    logger.info("exported %s -> %s", checkpoint, out_dir)
+    if adapter and not is_lora(model):
+        raise CheckpointError(f"checkpoint {checkpoint}: --adapter needs a LoRA run (model.lora.r > 0); this one "
+                              "trained every weight: export it without --adapter.")
+    with staged_folder(out_dir) as staging:
+        if adapter:
+            model.save_pretrained(staging)  # adapter_config.json + adapter_model.safetensors
+        else:
+            model = merged_model(model)
+            if dtype is not None:
+                model = model.to(getattr(torch, dtype))
+            model.save_pretrained(staging, safe_serialization=True)
+            if (checkpoint / "hf" / "tokenizer_config.json").is_file():
+                AutoTokenizer.from_pretrained(checkpoint / "hf").save_pretrained(staging)
+    logger.info("exported %s%s -> %s", "the LoRA adapter of " if adapter else "", checkpoint, out_dir)
     return out_dir
+
+
+def check_target(out_dir: Path, replace: bool) -> None:
+    """A CheckpointError unless ``out_dir`` can take an export: a new or empty folder (any folder with ``replace``)
+    whose parent this user can write."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"export target {out_dir} is a file; name a folder to write the model into.")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not replace:
+        held = sorted(p.name for p in out_dir.iterdir())
+        raise CheckpointError(f"export target {out_dir} is not empty ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}); "
+                              "name a new folder, or pass --replace to replace it whole.")
+    if not out_dir.resolve().parent.is_dir():
+        raise CheckpointError(f"export target {out_dir}: its parent folder {out_dir.resolve().parent} does not exist; "
+                              "make it first or name another folder.")
+
+
+@contextlib.contextmanager
+def staged_folder(out_dir: Path):
+    """A fresh folder beside ``out_dir`` to write into; when the block ends without an error it becomes
+    ``out_dir`` (an earlier ``out_dir`` moved aside first, then deleted), else it is deleted. A folder this user
+    cannot write is one CheckpointError."""
+    staging = None
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.export-", dir=out_dir.resolve().parent))
+        yield staging
+        if out_dir.exists():
+            old = staging.with_name(staging.name + ".old")
+            out_dir.rename(old)
+            staging.rename(out_dir)
+            shutil.rmtree(old)
+        else:
+            staging.rename(out_dir)
+    except OSError as exc:
+        raise CheckpointError(f"export target {out_dir}: cannot write there ({exc.strerror or exc}); name a folder "
+                              "you can write.") from None
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def load_policy(checkpoint: Path):
@@ -126,13 +172,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a checkpoint folder (output_dir/checkpoints/step_*)")
     parser.add_argument("out_dir", help="where to write the Hugging Face model folder")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights")
+    parser.add_argument("--dtype", choices=DTYPES, help="cast the weights")
     parser.add_argument("--adapter", action="store_true",
                         help="LoRA runs: write the PEFT adapter folder instead of the merged model")
+    parser.add_argument("--replace", action="store_true",
+                        help="out_dir may hold files (an earlier export): it is replaced whole")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     try:
-        export_checkpoint(args.checkpoint, args.out_dir, args.dtype, adapter=args.adapter)
+        export_checkpoint(args.checkpoint, args.out_dir, args.dtype, adapter=args.adapter, replace=args.replace)
     except CheckpointError as err:  # names the checkpoint and the fix: one line on stderr, exit 2, no traceback
         parser.exit(2, f"error: {err}\n")
     return 0

@@ -151,14 +151,27 @@ RENAMED = {"rollout.prompts_per_step": "rollout.prompts_per_batch", "weight_sync
 
 def resume_conflicts(saved: dict, current: dict) -> list[str]:
     """``key: saved -> current`` for every RESUME_MUST_MATCH setting that differs."""
+    return [change for key, change in _differences(saved, current) if key.startswith(RESUME_MUST_MATCH)]
+
+
+RESUME_MAY_CHANGE_SILENTLY = ("checkpoint.resume",)  # how a resume is asked for: changed by every resume
+
+
+def changed_settings(saved: dict, current: dict) -> list[str]:
+    """``key: saved -> current`` for the settings a resume may change (e.g. ``optim.lr``) that it does change."""
+    return [change for key, change in _differences(saved, current)
+            if not key.startswith(RESUME_MUST_MATCH) and key not in RESUME_MAY_CHANGE_SILENTLY]
+
+
+def _differences(saved: dict, current: dict) -> list[tuple[str, str]]:
+    """(key, ``key: saved -> current``) for every setting whose value differs, in key order."""
     a = {RENAMED.get(k, k): v for k, v in flatten_keys(saved).items()}
     if isinstance(a.get("rewards"), list):  # entries saved before a reward setting existed have its default
         defaults = to_dict(RewardConfig())
         a["rewards"] = [{**{k: v for k, v in defaults.items() if k not in ("name", "weight", "kwargs")}, **r}
                         for r in a["rewards"]]
     b = flatten_keys(current)
-    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
-            if k.startswith(RESUME_MUST_MATCH) and a.get(k) != b.get(k)]
+    return [(k, f"{k}: {a.get(k)!r} -> {b.get(k)!r}") for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
 def flatten_keys(d: dict, prefix: str = "") -> dict:

@@ -131,6 +131,9 @@ def import_named(name: str, key: str, builtins: list[str], kind: str):
         raise ConfigError(f"{key}: not a built-in {builtins}; for your own {kind} write 'package.module:{kind}'.")
     try:
         return getattr(importlib.import_module(module), attr)
+    except SyntaxError as exc:  # the module's own code: where, and what Python says
+        raise ConfigError(f"{key}: {exc.filename}, line {exc.lineno}: {type(exc).__name__}: {exc.msg}; fix the "
+                          "module.") from None
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"{key}: cannot import it ({exc}); check the module path and {kind} name (modules in the "
                           "directory the run starts from are importable).") from exc
@@ -148,7 +151,10 @@ def build_reward(c: RewardConfig):
 
     names = {key: f"rewards[name={c.name}].{key}" for key in ("timeout_s", "fallback", "url", "api_key")}
     if c.name == "reward_model":
-        return rs.RewardModel(c.name, c.path, batch_size=c.batch_size, dtype=c.dtype, **c.kwargs)
+        try:
+            return rs.RewardModel(c.name, c.path, batch_size=c.batch_size, dtype=c.dtype, **c.kwargs)
+        except ValueError as exc:  # not a classifier with its trained head: named with the setting
+            raise ConfigError(f"rewards[name=reward_model].path={exc}") from None
     if c.name == "remote":
         return rs.RemoteReward(c.name, c.url, timeout_s=c.timeout_s or 30.0, retries=c.retries,
                                batch_size=c.batch_size, api_key=c.api_key, fallback=c.fallback, names=names)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from grpo_accel.recipe.checks import check_choice, check_key, check_rules
+from grpo_accel.rules import DTYPES
 from grpo_accel.sglang.api import PAUSE_MODES
 
 
@@ -142,7 +143,7 @@ class RewardConfig:
         check_key(self.processes >= 0, f"{key}.processes", self.processes, "must be >= 0 (0: in the trainer's process).")
         check_key(self.timeout_s is None or self.timeout_s > 0, f"{key}.timeout_s", self.timeout_s, "must be > 0 seconds.")
         check_key(self.batch_size >= 1, f"{key}.batch_size", self.batch_size, "must be >= 1.")
-        check_choice(f"{key}.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        check_choice(f"{key}.dtype", self.dtype, DTYPES)
 
 
 @dataclass
@@ -183,7 +184,7 @@ class WeightSyncConfig:
         check_choice("weight_sync.method", self.method, ("distributed", "disk", "tensor"))
         check_choice("weight_sync.layout", self.layout, ("per_tensor", "flattened_bucket"))
         check_choice("weight_sync.backend", self.backend, ("auto", "nccl", "gloo"))
-        check_choice("weight_sync.dtype", self.dtype, ("bfloat16", "float16", "float32"))
+        check_choice("weight_sync.dtype", self.dtype, DTYPES)
         check_choice("weight_sync.pause_mode", self.pause_mode, PAUSE_MODES)
         check_key(self.bucket_mb > 0, "weight_sync.bucket_mb", self.bucket_mb, "must be > 0.")
         check_key(self.max_attempts >= 1, "weight_sync.max_attempts", self.max_attempts, "must be >= 1.")

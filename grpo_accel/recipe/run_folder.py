@@ -17,8 +17,9 @@ import socket
 import time
 from pathlib import Path
 
+from grpo_accel.errors import UserError
 from grpo_accel.recipe.checks import ConfigError
-from grpo_accel.recipe.loading import resume_conflicts, to_dict
+from grpo_accel.recipe.loading import changed_settings, resume_conflicts, to_dict
 from grpo_accel.runtime import command_line
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,13 @@ def start_point(cfg, checkpoint, fingerprints: dict[str, str], first_process: bo
             raise ConfigError(f"checkpoint {resume} was trained on other data: {', '.join(changed)} changed since "
                               "(size or content); resume on the data it was trained on, or start a new run in "
                               "another output_dir.")
+        frames = checkpoint.read_metadata(resume).get("frames", 0)
+        if frames >= cfg.trainer.total_frames:
+            raise RunFinished(f"the run in output_dir={str(out)!r} is finished: its checkpoint {resume} holds {frames} "
+                              f"frames of trainer.total_frames={cfg.trainer.total_frames}; nothing to train (raise "
+                              "trainer.total_frames to train on).")
+        if differences := changed_settings(saved["config"], to_dict(cfg)):
+            logger.info("resuming %s with settings changed since it was saved: %s", resume, "; ".join(differences))
         return resume
     if not (found := previous_run_outputs(out)):
         return None
@@ -83,7 +91,11 @@ def data_fingerprints(data) -> dict[str, str]:
     return out
 
 
-class RunFolderBusy(RuntimeError):
+class RunFinished(Exception):
+    """The checkpoint to resume already holds ``trainer.total_frames``: the run is done (not an error)."""
+
+
+class RunFolderBusy(UserError, RuntimeError):
     """Another live process holds the run folder's lock, or the folder cannot be written; the message says which."""
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from grpo_accel.recipe.checks import check_choice, check_key, check_rules
 from grpo_accel.recipe.rollout_schema import RewardConfig, RolloutConfig, WeightSyncConfig
+from grpo_accel.rules import TRAINING_DTYPES
 from grpo_accel.tasks import BUILTIN_TASKS
 
 
@@ -64,7 +65,7 @@ class ModelConfig:
             check_key(getattr(self, key) > 0, f"model.{key}", getattr(self, key), "must be a positive integer.")
         check_key(self.hidden_size % self.num_heads == 0, "model.num_heads", self.num_heads,
                   f"must divide model.hidden_size={self.hidden_size}.")
-        check_choice("model.dtype", self.dtype, ("float32", "bfloat16"))
+        check_choice("model.dtype", self.dtype, TRAINING_DTYPES)
 
 
 @dataclass

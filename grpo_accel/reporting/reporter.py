@@ -35,6 +35,7 @@ class ReportSettings:
     log_kl: bool = True
     log_samples: int = 3  # completions written as text per log
     progress_bar: bool = False
+    kl_outputs: tuple[str, ...] = ()  # the loss's KL keys (LossModule.kl_outputs): what log_kl=False leaves out
 
 
 class Reporter:
@@ -112,7 +113,8 @@ class Reporter:
         scalars.update(rollout_scalars(self.accelerator, rollout, with_rewards=s.log_rewards))
         log_hook(scalars)
         if not s.log_kl:
-            scalars = {k: v for k, v in scalars.items() if "kl" not in k}
+            left_out = {f"train/{key}" for key in s.kl_outputs}
+            scalars = {k: v for k, v in scalars.items() if k not in left_out}
         if s.log_timings:
             scalars.update({f"time/{phase}": seconds for phase, seconds in self.timings.items()})
             scalars.update({f"time/hook/{name}": seconds for name, seconds in hook_seconds.items()})
@@ -124,8 +126,7 @@ class Reporter:
 
     def log_scalars(self, scalars: dict[str, float], step: int) -> None:
         if self.logger is not None and self.accelerator.is_main_process:
-            for name, value in scalars.items():
-                self.logger.log_scalar(name, value, step=step)
+            self.logger.log_scalars(scalars, step)
 
     def _log_samples(self, rollout: TensorDict, step: int) -> None:
         """A few of this batch's completions as text (main process's rows), when the logger takes text."""

@@ -68,14 +68,21 @@ def check_context(prompts: list[list[int]], limit: int | None, max_new_tokens: i
     row = max(range(len(prompts)), key=lambda i: len(prompts[i]))
     longest = len(prompts[row])
     new, prompt = setting(names, "max_new_tokens"), setting(names, "max_prompt_tokens")
+    if longest >= limit:  # no budget can help: the prompt alone fills the context
+        raise DataError(
+            f"dataset row {row}: its prompt is {longest} tokens, as long as or longer than the {limit} tokens a "
+            f"sequence may hold ({_CONTEXT}), so nothing can follow it; set {prompt} (now {max_prompt_tokens}) below "
+            f"{limit} so that such rows are refused when loaded, shorten the prompts, or use a longer context.")
     if longest + max_new_tokens > limit:
         raise DataError(
             f"{new}={max_new_tokens}: the longest prompt (row {row}, {longest} tokens) and that many new tokens "
-            f"exceed the {limit} tokens a sequence may hold (SGLang: the servers' shortest context less one, at most "
-            f"their max_req_input_len; embedded: the model's max_position_embeddings). Lower {new} to "
-            f"{max(limit - longest, 0)} or less, or "
-            f"{prompt} (now {max_prompt_tokens}) below {longest} so that such rows are refused when loaded, or serve "
-            "a longer context (--context-length) or a larger KV pool (--max-total-tokens).")
+            f"exceed the {limit} tokens a sequence may hold ({_CONTEXT}). Lower {new} to {limit - longest} or less, "
+            f"or {prompt} (now {max_prompt_tokens}) below {longest} so that such rows are refused when loaded, or "
+            "serve a longer context (--context-length) or a larger KV pool (--max-total-tokens).")
+
+
+_CONTEXT = ("SGLang: the servers' shortest context less one, at most their max_req_input_len; embedded: the model's "
+            "max_position_embeddings")
 
 
 class GRPOCollector(Collector):

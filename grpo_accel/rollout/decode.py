@@ -3,7 +3,8 @@
 ``generate`` in transformers spends most of a small model's decode step outside the model: it re-creates the
 attention mask from the 2-D padding mask, grows the key/value cache by concatenation, and runs its logits
 processors and stopping criteria one by one. This loop keeps the model's forward (any causal LM whose layers
-all use full attention) and does the rest once:
+all use full attention; for Llama-family models its modules without transformers' wrappers,
+:mod:`grpo_accel.rollout.lean`) and does the rest once:
 
 - one prefill per prompt: the G completions of a prompt copy its keys and values instead of recomputing them
   (a later turn of multi-turn episodes too: each episode then prefills only its own tokens after the prompt);
@@ -29,7 +30,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from grpo_accel import batch
 from grpo_accel.distributed import zero3_collective, zero3_partitioned
 from grpo_accel.logprobs import position_ids_from_mask
-from grpo_accel.rollout.sampling import KeyedSampler, keyed_gumbel
+from grpo_accel.rollout.lean import LeanForward, lean_reason
+from grpo_accel.rollout.sampling import KeyedSampler, keyed_uniform
 
 DECODERS = ("auto", "fast", "compiled", "generate")
 """The embedded engine's decode paths (``EmbeddedEngine(decoder=...)``, ``rollout.decoder``)."""
@@ -125,8 +127,12 @@ class BudgetCache(Cache):
 
 
 class Decoder:
-    """The decode loop bound to one model: its forward (under ``torch.compile`` when ``compiled``) and its mask
-    format, set up once.
+    """The decode loop bound to one model: its forward and its mask format, set up once.
+
+    The forward is :class:`~grpo_accel.rollout.lean.LeanForward` (the model's modules without transformers'
+    wrappers) where it covers the model (:func:`~grpo_accel.rollout.lean.lean_reason`) and the parameters are
+    whole (not under ZeRO-3, whose forward gathers them); otherwise the model's own forward. ``lean=False`` takes
+    the model's forward regardless.
 
     ``compiled`` compiles the model's forward with inductor and dynamic shapes (one graph for the prefill, one
     for the decode steps, whatever the lengths and batch). The first call then takes seconds to minutes; each
@@ -138,10 +144,12 @@ class Decoder:
         >>> tokens, logprobs = decoder(prompt_ids, prompt_mask, 8, keys, DecodeSettings(32, (eos_id,), pad_id))
     """
 
-    def __init__(self, model: nn.Module, compiled: bool = False) -> None:
+    def __init__(self, model: nn.Module, compiled: bool = False, lean: bool = True) -> None:
         self.model = model
+        self.lean = lean and not compiled and not zero3_partitioned() and lean_reason(model) is None
         implementation = model.config._attn_implementation
-        self.mask_dtype = next(model.parameters()).dtype if MASK_FORMATS[implementation] == "additive" else None
+        additive = MASK_FORMATS[implementation] == "additive" and not self.lean
+        self.mask_dtype = next(model.parameters()).dtype if additive else None
         cache_arg = "cache" if "cache" in inspect.signature(_transformers_model(model).forward).parameters else "past_key_values"
 
         def forward(ids: Tensor, mask: Tensor, positions: Tensor, cache: BudgetCache) -> Tensor:  # -> [B, V]
@@ -149,7 +157,9 @@ class Decoder:
                         logits_to_keep=1, **{cache_arg: cache})
             return out.logits[:, -1]
 
-        self.forward = torch.compile(forward, dynamic=True) if compiled else forward
+        self.wrapped = torch.compile(forward, dynamic=True) if compiled else forward
+        self.lean_forward = LeanForward(model) if self.lean else None
+        self.forward = self.lean_forward or self.wrapped
         self.synced = zero3_collective()
         # inference mode skips autograd's per-op bookkeeping (~12% of a tiny model's step); not under ZeRO-3,
         # whose forward hooks allocate the gathered parameters, which must stay ordinary tensors for training
@@ -184,6 +194,8 @@ class Decoder:
         With ``rows`` and ``suffix_ids`` (a later turn of multi-turn episodes), row i continues prompt ``rows[i]``
         after its own suffix: each prompt is prefilled once for all its rows, then only the suffixes are.
         """
+        if self.lean_forward is not None:  # hooks may come and go between calls (a test's, a user's)
+            self.forward = self.wrapped if self.lean_forward.hooked() else self.lean_forward
         with self.no_grad():
             drawn = self._draw(prompt_ids, prompt_mask, group_size, keys, settings, rows, suffix_ids, suffix_mask)
         rows = prompt_ids.shape[0] * group_size if rows is None else rows.numel()
@@ -217,7 +229,7 @@ class Decoder:
             logits = self.forward(suffix_ids, self._mask(mask), suffix_positions, cache)
             cache.advance(extra)
             next_position = suffix_positions[:, -1:] + 1
-        draw = _Draws(keys, settings, logits.shape[-1])
+        draw = _Draws(keys, settings, device)
 
         live = torch.arange(n, device=device)  # [M] the batch rows still decoding, in batch order
         done = torch.zeros(n, dtype=torch.bool, device=device)  # [M]
@@ -267,38 +279,27 @@ def _assemble(drawn: list[tuple[Tensor, Tensor, Tensor]], rows: int,
 
 
 class _Draws:
-    """Each live row's token and its logprob at a step. The keyed noise of :class:`KeyedSampler` is computed for
-    blocks of steps at once (one call instead of one per step), at most ``NOISE_BLOCK_ELEMENTS`` values."""
+    """Each live row's token and its logprob at a step: :class:`KeyedSampler`'s draw with the row's keyed uniform
+    of that step (all steps' uniforms computed at once, [M, budget]), or the most likely token without keys."""
 
-    NOISE_BLOCK_ELEMENTS = 1 << 22
-
-    def __init__(self, keys: Tensor | None, settings: DecodeSettings, vocab: int) -> None:
-        self.keys, self.settings, self.vocab = keys, settings, vocab
+    def __init__(self, keys: Tensor | None, settings: DecodeSettings, device: torch.device) -> None:
+        self.settings = settings
         self.sampler = None if keys is None else KeyedSampler(keys, 0, settings.temperature, settings.top_k, settings.top_p)
-        self.noise, self.first = None, 0  # [M, B, V] noise of steps first .. first + B - 1
+        self.uniforms = None if keys is None else keyed_uniform(keys.to(device), torch.arange(settings.max_new_tokens))[..., 0]
 
     def __call__(self, logits: Tensor, step: int) -> tuple[Tensor, Tensor]:  # [M, V] -> token [M], logprob [M]
         s = self.settings
         z = logits.float()
         if step < s.min_new_tokens:
             z = z.index_fill(-1, torch.tensor(s.stop_ids, device=z.device), float("-inf"))
-        if self.sampler is not None:
-            z = self.sampler.filtered(z) + self._noise(step, logits.device)
-        token = z.argmax(-1)
+        token = z.argmax(-1) if self.sampler is None else self.sampler.draw(z, self.uniforms[:, step])
         wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
         logprob = torch.log_softmax(wide / s.temperature, -1).gather(-1, token[:, None])[:, 0]
         return token, logprob
 
     def keep(self, rows: Tensor) -> None:  # rows [M'] of the live rows
-        if self.keys is not None:
-            self.keys, self.noise = self.keys[rows.to(self.keys.device)], self.noise[rows]
-
-    def _noise(self, step: int, device: torch.device) -> Tensor:  # [M, V]
-        if self.noise is None or step >= self.first + self.noise.shape[1]:
-            block = max(1, self.NOISE_BLOCK_ELEMENTS // (self.keys.numel() * self.vocab))
-            steps = torch.arange(step, min(step + block, self.settings.max_new_tokens))
-            self.noise, self.first = keyed_gumbel(self.keys.to(device), steps, self.vocab), step
-        return self.noise[:, step - self.first]
+        if self.uniforms is not None:
+            self.uniforms = self.uniforms[rows]
 
 
 def _prefill_mask(prompt_mask: Tensor) -> Tensor:  # [P, L] -> [P, 1, L, L] bool

@@ -16,7 +16,7 @@ from grpo_accel.contracts import RolloutEngine
 from grpo_accel.distributed import zero3_collective
 from grpo_accel.logprobs import selected_logprobs
 from grpo_accel.rollout.decode import DECODERS
-from grpo_accel.rollout.sampling import KeyedSampler
+from grpo_accel.rollout.sampling import KeyedSampler, batch_seeds, completion_keys
 
 if TYPE_CHECKING:
     from grpo_accel.rollout.decode import Decoder
@@ -124,9 +124,7 @@ class EmbeddedEngine(RolloutEngine):
         ``greedy`` takes the most likely token instead of sampling (evaluation).
         """
         ids, mask = batch.padded(prompt_ids, self.pad_id, "left")  # [P, L] each
-        if seeds is None:
-            seeds = torch.randint(0, 2**56, (len(prompt_ids),)).tolist()
-        keys = None if greedy else torch.tensor([k * group_size + j for k in seeds for j in range(group_size)])
+        keys = None if greedy else torch.tensor(completion_keys(batch_seeds(seeds, len(prompt_ids)), group_size))
         rows = torch.arange(len(prompt_ids)).repeat_interleave(group_size)
         return self._sample(ids, mask, keys, rows, prompts=(ids[rows], mask[rows]))
 

@@ -22,13 +22,15 @@ from tensordict import TensorDict
 
 from grpo_accel import batch
 from grpo_accel.data import ROLES, Prompts, chat_messages, encode_prompts, is_chat_message, render_chat
+from grpo_accel.errors import UserError
+from grpo_accel.rollout.sampling import batch_seeds, completion_keys, turn_key
 from grpo_accel.rules import check
 from grpo_accel.tools import CallParser, TaggedCallParser, ToolRunner, tool_schema
 
 SENTINEL = "\u2063GRPO_ACCEL_TURN\u2063"  # stands for a model turn's text while finding the template's framing
 
 
-class EpisodeError(RuntimeError):
+class EpisodeError(UserError, RuntimeError):
     """An environment failed or answered with something an episode cannot use; the message names it, the
     episode's row and the value."""
 
@@ -200,18 +202,18 @@ class EpisodeRunner:
         """(rollout [len(rows) * group_size] with ``model_mask`` and per-episode counts, the episodes) for
         ``rows`` and their :meth:`encode`-d ``prompts``. ``seeds``: one per row (random when None);
         ``greedy``: every turn takes the most likely tokens (evaluation)."""
-        seeds = seeds if seeds is not None else torch.randint(0, 2**40, (len(rows),)).tolist()
+        seeds = batch_seeds(seeds, len(rows))
+        keys = iter(completion_keys(seeds, group_size))  # the first turn's, as the engine draws them
         prompt_ids, first_messages = prompts.ids, prompts.messages
         episodes = []
         context = self.engine.context_limit
-        for row, messages, seed, prompt in zip(rows, first_messages, seeds, prompt_ids):
+        for row, messages, prompt in zip(rows, first_messages, prompt_ids):
             rooms = [r for r in (self.max_episode_tokens, None if context is None else context - len(prompt))
                      if r is not None]
-            for j in range(group_size):
+            for _ in range(group_size):
                 env = self.environment()
                 env.reset(row)
-                episodes.append(_Episode(env, row, list(messages), key=seed * group_size + j,
-                                         room=min(rooms, default=None)))
+                episodes.append(_Episode(env, row, list(messages), key=next(keys), room=min(rooms, default=None)))
         row_prompts = [p for p in prompt_ids for _ in range(group_size)]
         td = self.engine.generate(prompt_ids, group_size, seeds=seeds, greedy=greedy)  # the first turn
         active = list(range(len(episodes)))
@@ -231,7 +233,7 @@ class EpisodeRunner:
         """The next model turn of episodes ``rows``, from their prompt and their tokens so far (the embedded engine
         prefills each prompt once for all its episodes; SGLang's prefix cache shares the prompts)."""
         turn = episodes[rows[0]].turns
-        keys = None if greedy else [(episodes[i].key * 1_000_003 + turn) % 2**56 for i in rows]
+        keys = None if greedy else [turn_key(episodes[i].key, turn) for i in rows]
         used = sorted({i // group_size for i in rows})
         return self.engine.continue_rows([prompt_ids[p] for p in used], [used.index(i // group_size) for i in rows],
                                          [episodes[i].tokens for i in rows], keys)

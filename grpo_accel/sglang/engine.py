@@ -28,12 +28,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Mapping
 
-import torch
 from tensordict import TensorDict
 
 from grpo_accel import batch
 from grpo_accel.contracts import RolloutEngine
 from grpo_accel.http import HTTPClient, ServerError
+from grpo_accel.rollout.sampling import batch_seeds, completion_keys
 from grpo_accel.rules import setting
 from grpo_accel.sglang import api
 
@@ -143,15 +143,14 @@ class SGLangEngine(RolloutEngine):
                  greedy: bool = False) -> TensorDict:
         """Rollout TensorDict [len(prompt_ids) * group_size], the same keys as the embedded engine's. A
         completion whose context is full before it starts comes back empty with finish reason "length"."""
-        if seeds is None:
-            seeds = torch.randint(0, 2**56, (len(prompt_ids),)).tolist()
+        keys = iter(completion_keys(batch_seeds(seeds, len(prompt_ids)), group_size))
         temperature = 0.0 if greedy else self.temperature
         completions = []
-        for prompt, seed in zip(prompt_ids, seeds):
+        for prompt in prompt_ids:
             budget = min(self.max_new_tokens, self.context_limit - len(prompt))
-            for j in range(group_size):
+            for _ in range(group_size):  # SGLang's sampling_seed is an int32
                 params = api.sampling_params(max(budget, 0), temperature, self.top_p, self.top_k,
-                                             seed=(seed * group_size + j) % 2**31, stop_token_ids=self.stop_token_ids)
+                                             seed=next(keys) % 2**31, stop_token_ids=self.stop_token_ids)
                 full = batch.FINISH_LENGTH if budget <= 0 else None  # no room left for a token
                 completions.append(_Completion(list(prompt), params, finish=full))
         self._run([c for c in completions if c.finish is None])

@@ -37,6 +37,7 @@ import torch
 
 from grpo_accel.contracts import WeightSender
 from grpo_accel.distributed import any_process, gathered_parameters
+from grpo_accel.errors import UserError
 from grpo_accel.http import HTTPClient, ServerError
 from grpo_accel.rules import setting
 from grpo_accel.sglang import api
@@ -50,7 +51,7 @@ PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.2, torch.float16: 0.2}
 """Mean absolute difference allowed between the server's and the trainer's probe logprobs, by sync dtype."""
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(UserError, RuntimeError):
     """Weights could not be pushed; the engines hold unknown weights."""
 
 

@@ -1,0 +1,110 @@
+"""A run's life after training: its command again changes nothing, a resume says what it changed, exports never
+mix two models (issue 34's cases 2, 3 and 7, each failing before)."""
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from launching import ROOT
+from trainer_utils import main_in_process
+
+RUN = ["trainer.total_frames=32", "rollout.prompts_per_batch=4", "rollout.group_size=4", "rollout.max_new_tokens=4",
+       "trainer.progress_bar=false", "checkpoint.resume=auto", "checkpoint.keep_last=1"]
+
+
+def contents(folder):
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished 2-batch run (resume=auto from the start, as a user scripts it) and its checkpoint."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert main_in_process("train", [f"output_dir={out}", *RUN]) == 0
+    return out
+
+
+def test_a_finished_runs_command_again_says_so_and_touches_nothing(finished, caplog):
+    """Each rerun used to train one more batch (2560 -> 2688 -> 2816 frames) and rotate the real final checkpoint
+    out; now it logs that the run is finished and exits 0 with every file as it was."""
+    before = contents(finished)
+    with caplog.at_level(logging.INFO):
+        for _ in range(2):
+            assert main_in_process("train", [f"output_dir={finished}", *RUN]) == 0
+    assert contents(finished) == before
+    assert caplog.text.count(f"the run in output_dir={str(finished)!r} is finished: its checkpoint ") == 2
+    assert "holds 32 frames of trainer.total_frames=32; nothing to train (raise trainer.total_frames" in caplog.text
+
+
+def test_raising_total_frames_continues_and_the_resume_names_what_changed(finished, tmp_path, caplog):
+    import shutil
+
+    from grpo_accel.checkpoint import Checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    with caplog.at_level(logging.INFO):
+        assert main_in_process("train", [f"output_dir={run}", *RUN, "trainer.total_frames=48", "optim.lr=1e-4"]) == 0
+    assert Checkpoint(run / "checkpoints").read_metadata(Checkpoint(run / "checkpoints").complete()[-1])["frames"] == 48
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("resuming "))
+    changes = line.split("with settings changed since it was saved: ")[1].split("; ")
+    assert changes == ["optim.lr: 0.0003 -> 0.0001", f"output_dir: {str(finished)!r} -> {str(run)!r}",
+                       "trainer.total_frames: 32 -> 48"], line  # the copy moved the folder: said too
+    done = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("done: "))
+    assert done.splitlines()[0].startswith("done: 48 frames (completions) in 3 batches; this run ")
+    assert done.splitlines()[1:] == [done.splitlines()[1], f"  final checkpoint: {run / 'checkpoints' / 'step_00000003'}",
+                                     f"  curves: tensorboard --logdir {run / 'tensorboard'}"]
+    assert done.splitlines()[1].startswith("  reward: ") and "(first 10 batches) -> " in done
+
+
+def test_the_trainer_api_resumed_on_a_finished_checkpoint_collects_nothing(finished):
+    from grpo_accel.checkpoint import Checkpoint
+    from grpo_accel.tasks.tiny import build_char_tokenizer, build_tiny_model
+    from trainer_utils import make_trainer
+
+    tokenizer = build_char_tokenizer()
+    trainer = make_trainer(tokenizer, build_tiny_model(tokenizer, seed=0), total_frames=32,
+                           checkpoint=Checkpoint(finished / "checkpoints", resume="auto"))
+    trainer.collector.collect = lambda: pytest.fail("a finished run collected a batch")
+    trainer.train()
+    assert trainer.frames == 32
+
+
+def export(*args):
+    return subprocess.run([sys.executable, "-m", "grpo_accel.export", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_export_refuses_what_would_mix_and_replaces_whole(finished, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from grpo_accel.checkpoint import Checkpoint
+
+    last = Checkpoint(finished / "checkpoints").complete()[-1]
+    target = tmp_path / "exported"
+    target.mkdir()
+    (target / "chat_template.jinja").write_text("an older export's template")
+    refused = export(last, target)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1] == (
+        f"error: export target {target} is not empty (chat_template.jinja); name a new folder, or pass --replace to "
+        "replace it whole.")
+    assert [p.name for p in target.iterdir()] == ["chat_template.jinja"]
+    replaced = export(last, target, "--replace")
+    assert replaced.returncode == 0, replaced.stderr
+    assert not (target / "chat_template.jinja").exists() and (target / "model.safetensors").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "the staging folder is gone"
+    AutoModelForCausalLM.from_pretrained(target)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for out, message in [(afile, f"error: export target {afile} is a file; name a folder to write the model into."),
+                         ("/proc/grpo_accel_export", "error: export target /proc/grpo_accel_export: cannot write there ("),
+                         (tmp_path / "no" / "such", f"error: export target {tmp_path / 'no' / 'such'}: its parent folder "
+                                                    f"{tmp_path / 'no'} does not exist")]:
+        proc = export(last, out)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr
+    assert afile.read_text() == "x"
