@@ -16,7 +16,6 @@ import logging
 import math
 import multiprocessing
 import multiprocessing.connection
-import os
 import time
 from pathlib import Path
 from typing import Callable, Mapping
@@ -249,15 +248,15 @@ def check_classifier(path: str) -> None:
     from transformers import AutoConfig
 
     local = Path(path)
-    if local.exists() or os.sep in path or path.startswith("."):
+    if local.exists() or local.is_absolute() or path.startswith((".", "~")):  # else maybe a hub id, "org/name"
         if not (local / "config.json").is_file():
             raise ValueError(f"{path!r} is not a model folder ({'no such path' if not local.exists() else 'no config.json'}); "
                              "name the folder a sequence-classification model was saved in (save_pretrained).")
     try:
         config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path!r}: cannot read a model config there ({str(exc).splitlines()[0]}); name a "
-                         "sequence-classification model's folder.") from None
+    except (OSError, ValueError) as exc:  # neither a folder here nor a model the hub serves
+        raise ValueError(f"{path!r} is not a model folder here and could not be read as a hub id "
+                         f"({str(exc).splitlines()[0]}); name a sequence-classification model's folder.") from None
     architectures = config.architectures or []
     if not any(a.endswith("ForSequenceClassification") for a in architectures):
         raise ValueError(f"{path!r} is a {', '.join(architectures) or config.model_type} model, not a sequence "
