@@ -35,6 +35,7 @@ from tensordict import TensorDict
 from grpo_accel.advantages import standardised
 from grpo_accel.errors import UserError
 from grpo_accel.reward_sources import RewardFault, RewardSource, is_finite_number
+from grpo_accel.rules import check_choice
 
 RewardFn = Callable[..., Sequence[float]]
 PROVIDED_FIELDS = ("completion_ids", "finish_reason", "prompt_messages")  # besides the dataset's columns
@@ -192,9 +193,8 @@ class RewardSet:
         self.fns = dict(fns)
         self.weights = {name: float(weights.get(name, 1.0)) for name in self.fns}
         self.normalize = {name: (normalize or {}).get(name, "none") for name in self.fns}
-        bad = {k: v for k, v in self.normalize.items() if v not in NORMALIZE}
-        if bad:
-            raise ValueError(f"RewardSet: normalize={bad}: use one of {NORMALIZE}.")
+        for name, mode in self.normalize.items():
+            check_choice(f"normalize[{name!r}]", mode, NORMALIZE, owner="RewardSet: ")
 
     @property
     def names(self) -> list[str]:

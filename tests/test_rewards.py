@@ -77,3 +77,11 @@ def test_reward_set_rejects_empty_and_unknown_weights():
 def test_partial_with_kwargs_is_a_reward_function():
     rs = RewardSet({"f": functools.partial(format_match, pattern="[0-9]{2}")})
     assert rs(["p", "p"], ["12", "1"])["reward"].tolist() == [1.0, 0.0]
+
+
+def test_a_bad_normalize_reads_as_the_config_check_does():
+    """One rule for the choice (rules.check_choice), in the API's words as in the config's (issue 35: the two
+    checks said it differently)."""
+    with pytest.raises(ValueError, match=r"^RewardSet: normalize\['a'\]='grp': must be one of \['none', 'group', "
+                                         r"'batch'\]\.$"):
+        RewardSet({"a": lambda p, c, **k: [0.0] * len(c)}, normalize={"a": "grp"})

@@ -31,7 +31,7 @@ COLLECTOR_NAMES = {key: f"rollout.{key}" for key in ("max_new_tokens", "max_prom
 SGLANG_NAMES = {"api_key": "rollout.api_key", "admin_api_key": "weight_sync.admin_api_key",
                 "health_timeout_s": "rollout.health_timeout_s", "urls": "rollout.urls",
                 "master_address": "weight_sync.master_address", "master_port": "weight_sync.master_port",
-                "timeout_s": "weight_sync.timeout_s"}
+                "timeout_s": "weight_sync.timeout_s", "pause_mode": "weight_sync.pause_mode", "layout": "weight_sync.layout"}
 
 
 def batch_layout(cfg: GRPOConfig, num_processes: int) -> tuple[BatchLayout, int]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from grpo_accel.recipe.checks import check_choice, check_key, check_rules
 from grpo_accel.rules import DTYPES
-from grpo_accel.sglang.api import PAUSE_MODES
+from grpo_accel.sglang.api import PAUSE_MODES, TRANSFER_LAYOUTS
 
 
 @dataclass
@@ -182,7 +182,7 @@ class WeightSyncConfig:
 
     def __post_init__(self) -> None:
         check_choice("weight_sync.method", self.method, ("distributed", "disk", "tensor"))
-        check_choice("weight_sync.layout", self.layout, ("per_tensor", "flattened_bucket"))
+        check_choice("weight_sync.layout", self.layout, TRANSFER_LAYOUTS)
         check_choice("weight_sync.backend", self.backend, ("auto", "nccl", "gloo"))
         check_choice("weight_sync.dtype", self.dtype, DTYPES)
         check_choice("weight_sync.pause_mode", self.pause_mode, PAUSE_MODES)

@@ -35,7 +35,7 @@ from typing import Mapping
 import torch
 
 from grpo_accel.http import ServerError
-from grpo_accel.rules import setting
+from grpo_accel.rules import check_choice, setting
 from grpo_accel.sglang import api
 from grpo_accel.sglang.group import WeightUpdateGroup, address_towards
 from grpo_accel.sglang.sender import SGLangSender, WeightSyncError, dtype_name
@@ -79,8 +79,7 @@ class DistributedWeightSender(SGLangSender):
                  group_name: str = api.DEFAULT_GROUP, max_attempts: int = 2, verify_tensors: int = 2,
                  timeout_s: float = 600.0, pause_mode: str = "retract", memory_record: str | Path | None = None,
                  names: Mapping[str, str] | None = None) -> None:
-        if layout not in ("per_tensor", "flattened_bucket"):
-            raise ValueError(f"DistributedWeightSender: layout={layout!r}: use 'per_tensor' or 'flattened_bucket'.")
+        check_choice(setting(names, "layout"), layout, api.TRANSFER_LAYOUTS, owner="DistributedWeightSender: ")
         super().__init__(accelerator, model, urls, api_key=api_key, admin_api_key=admin_api_key, bucket_mb=bucket_mb,
                          dtype=dtype, max_attempts=max_attempts, verify_tensors=verify_tensors, timeout_s=timeout_s,
                          pause_mode=pause_mode, memory_record=memory_record, names=names)

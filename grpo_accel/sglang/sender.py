@@ -39,7 +39,7 @@ from grpo_accel.contracts import WeightSender
 from grpo_accel.distributed import any_process, gathered_parameters
 from grpo_accel.errors import UserError
 from grpo_accel.http import HTTPClient, ServerError
-from grpo_accel.rules import setting
+from grpo_accel.rules import check_choice, setting
 from grpo_accel.sglang import api
 from grpo_accel.sglang.memory import ServerMemory
 from grpo_accel.weight_sync.gather import BucketedGather
@@ -74,8 +74,7 @@ class SGLangSender(WeightSender):
                  bucket_mb: float, dtype: torch.dtype, max_attempts: int, verify_tensors: int, timeout_s: float,
                  pause_mode: str = "retract", memory_record: str | Path | None = None,
                  names: Mapping[str, str] | None = None) -> None:
-        if pause_mode not in api.PAUSE_MODES:
-            raise ValueError(f"pause_mode={pause_mode!r}: use one of {api.PAUSE_MODES}.")
+        check_choice(setting(names, "pause_mode"), pause_mode, api.PAUSE_MODES)
         self.accelerator, self.model, self.dtype, self.pause_mode = accelerator, model, dtype, pause_mode
         self.is_sender = accelerator.is_main_process
         urls = urls if self.is_sender else []
