@@ -281,7 +281,7 @@ def _loop_trainer(args, variant: str, model, tokenizer, rows, rewards, accelerat
 
 def _launcher_trainer(args, folder: str):
     """The trainer of ``launch/train.py`` for the loop's work, with a fresh run folder; and what closes it."""
-    from grpo_accel.recipe.build import build_trainer
+    from grpo_accel.recipe.build import build_trainer, close_parts
     from grpo_accel.recipe.loading import load_config
 
     out = tempfile.mkdtemp(prefix="bench-run-")
@@ -295,9 +295,7 @@ def _launcher_trainer(args, folder: str):
     trainer = build_trainer(cfg)
 
     def close() -> None:  # as launch/train.py does after train()
-        trainer.weight_sync_sender.close()
-        trainer.collector.close()
-        trainer.logger.close()
+        close_parts(trainer)
         shutil.rmtree(out, ignore_errors=True)
 
     return trainer, close

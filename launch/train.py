@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(cfg: GRPOConfig, start: float) -> int:
-    from grpo_accel.recipe.build import build_trainer, summarize
+    from grpo_accel.recipe.build import build_trainer, close_parts, summarize
 
     trainer = build_trainer(cfg)
     out = Path(cfg.output_dir)
@@ -115,11 +115,8 @@ def run(cfg: GRPOConfig, start: float) -> int:
     try:
         with logging_redirect_tqdm():  # log lines print above the progress bar, which stays one line
             trainer.train()
-    finally:  # what the parts hold: SGLang's weight-update group, decode and reward workers, the event files
-        trainer.weight_sync_sender.close()
-        trainer.collector.close()
-        if trainer.logger is not None:  # the main process's only: complete event files, also after an error
-            trainer.logger.close()
+    finally:
+        close_parts(trainer)
     trainer.accelerator.wait_for_everyone()
     if main_process:
         if resuming:

@@ -17,12 +17,12 @@ def test_draws_follow_the_distribution():
     n = 20_000
     logits = PROBS.log().repeat(n, 1) * 2.0  # temperature 2 undoes the doubling
     sampler = KeyedSampler(torch.arange(n), 0, temperature=2.0)
-    tokens = sampler.draw(logits, keyed_uniform(torch.arange(n), torch.tensor([0]))[:, 0, 0])
+    tokens = sampler.draw(logits, keyed_uniform(torch.arange(n), torch.tensor([0]))[:, 0])
     counts = torch.bincount(tokens, minlength=len(PROBS)).double()
     assert chi_square(counts, n * PROBS.double()) < CHI2_999[6]
     shifted = torch.bincount((tokens + 1) % len(PROBS), minlength=len(PROBS)).double()
     assert chi_square(shifted, n * PROBS.double()) > 10 * CHI2_999[6]
-    cold = KeyedSampler(torch.arange(n), 0, temperature=1.0).draw(logits, keyed_uniform(torch.arange(n), torch.tensor([0]))[:, 0, 0])
+    cold = KeyedSampler(torch.arange(n), 0, temperature=1.0).draw(logits, keyed_uniform(torch.arange(n), torch.tensor([0]))[:, 0])
     assert chi_square(torch.bincount(cold, minlength=len(PROBS)).double(), n * PROBS.double()) > 10 * CHI2_999[6]
 
 
@@ -30,7 +30,7 @@ def test_steps_are_independent_and_filters_hold():
     """The pair (token at step 0, token at step 1) of each key follows the product distribution; top-k and top-p
     never draw what they exclude."""
     n = 20_000
-    u = keyed_uniform(torch.arange(n), torch.tensor([0, 1]))[..., 0]  # [N, 2]
+    u = keyed_uniform(torch.arange(n), torch.tensor([0, 1]))  # [N, 2]
     z = PROBS.log().repeat(n, 1)
     first, second = inverse_cdf(z, u[:, 0]), inverse_cdf(z, u[:, 1])
     pairs = torch.bincount(first * len(PROBS) + second, minlength=len(PROBS) ** 2).double()
@@ -47,7 +47,7 @@ def test_a_rows_draw_depends_only_on_its_key_and_logits():
     torch.manual_seed(0)
     logits = torch.randn(64, 49_152) * 3
     keys = torch.arange(1000, 1064)
-    u = keyed_uniform(keys, torch.tensor([7]))[:, 0, 0]
+    u = keyed_uniform(keys, torch.tensor([7]))[:, 0]
     together = inverse_cdf(logits, u)
     order = torch.randperm(64)
     assert torch.equal(inverse_cdf(logits[order], u[order]), together[order])

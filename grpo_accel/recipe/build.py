@@ -136,6 +136,15 @@ def build_trainer(cfg: GRPOConfig):
     return trainer
 
 
+def close_parts(trainer) -> None:
+    """Release what a built trainer's parts hold: SGLang's weight-update group, decode and reward workers, and
+    (the main process's only) the event files, complete also after an error."""
+    trainer.weight_sync_sender.close()
+    trainer.collector.close()
+    if trainer.logger is not None:
+        trainer.logger.close()
+
+
 def build_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
     """The rollout engine and the weight-sync sender that keeps it current."""
     if cfg.rollout.backend == "sglang":

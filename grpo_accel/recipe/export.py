@@ -84,7 +84,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
 
 def check_target(out_dir: Path, replace: bool) -> None:
     """A CheckpointError unless ``out_dir`` can take an export: a new or empty folder (any folder with ``replace``)
-    whose parent this user can write."""
+    in a folder that exists (whether it can be written, :func:`staged_folder` finds out)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"export target {out_dir} is a file; name a folder to write the model into.")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not replace:
@@ -108,7 +108,11 @@ def staged_folder(out_dir: Path):
         if out_dir.exists():
             old = staging.with_name(staging.name + ".old")
             out_dir.rename(old)
-            staging.rename(out_dir)
+            try:
+                staging.rename(out_dir)
+            except OSError:
+                old.rename(out_dir)  # the earlier export stays where it was
+                raise
             shutil.rmtree(old)
         else:
             staging.rename(out_dir)

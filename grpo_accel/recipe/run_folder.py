@@ -38,7 +38,8 @@ def start_point(cfg, checkpoint, fingerprints: dict[str, str], first_process: bo
     :meth:`~grpo_accel.checkpoint.Checkpoint.verify` checks as the checkpoint loads."""
     out, resume = Path(cfg.output_dir), checkpoint.resume_path()
     if resume is not None:
-        saved = checkpoint.read_metadata(resume)["user"]
+        metadata = checkpoint.read_metadata(resume)
+        saved = metadata["user"]
         conflicts = resume_conflicts(saved["config"], to_dict(cfg))
         if conflicts:
             raise ConfigError(f"checkpoint {resume} was trained with other settings: {conflicts}; resume with the "
@@ -48,7 +49,7 @@ def start_point(cfg, checkpoint, fingerprints: dict[str, str], first_process: bo
             raise ConfigError(f"checkpoint {resume} was trained on other data: {', '.join(changed)} changed since "
                               "(size or content); resume on the data it was trained on, or start a new run in "
                               "another output_dir.")
-        frames = checkpoint.read_metadata(resume).get("frames", 0)
+        frames = metadata.get("frames", 0)
         if frames >= cfg.trainer.total_frames:
             raise RunFinished(f"the run in output_dir={str(out)!r} is finished: its checkpoint {resume} holds {frames} "
                               f"frames of trainer.total_frames={cfg.trainer.total_frames}; nothing to train (raise "

@@ -285,7 +285,7 @@ class _Draws:
     def __init__(self, keys: Tensor | None, settings: DecodeSettings, device: torch.device) -> None:
         self.settings = settings
         self.sampler = None if keys is None else KeyedSampler(keys, 0, settings.temperature, settings.top_k, settings.top_p)
-        self.uniforms = None if keys is None else keyed_uniform(keys.to(device), torch.arange(settings.max_new_tokens))[..., 0]
+        self.uniforms = None if keys is None else keyed_uniform(keys.to(device), torch.arange(settings.max_new_tokens))
 
     def __call__(self, logits: Tensor, step: int) -> tuple[Tensor, Tensor]:  # [M, V] -> token [M], logprob [M]
         s = self.settings

@@ -51,10 +51,9 @@ def _xor_shr_(x: Tensor, bits: int, scratch: Tensor) -> Tensor:
     return x.bitwise_xor_(scratch)
 
 
-def keyed_uniform(keys: Tensor, steps: Tensor, vocab: int = 1) -> Tensor:  # [N], [S] -> [N, S, V] float64 in (0, 1)
-    """splitmix64 of (key, step, index): independent uniforms per row, step and index (``vocab`` of them)."""
-    x = keys[:, None, None] * _i64(_GOLDEN) + (steps.to(keys.device) * _i64(_STEP))[None, :, None]
-    x = x + torch.arange(vocab, device=keys.device)
+def keyed_uniform(keys: Tensor, steps: Tensor) -> Tensor:  # [N], [S] -> [N, S] float64 in (0, 1)
+    """splitmix64 of (key, step): an independent uniform per row and step."""
+    x = keys[:, None] * _i64(_GOLDEN) + (steps.to(keys.device) * _i64(_STEP))[None, :]
     scratch = torch.empty_like(x)
     _xor_shr_(x, 30, scratch).mul_(_i64(_MIX1))  # int64 multiplication wraps: exactly the uint64 product's bits
     _xor_shr_(x, 27, scratch).mul_(_i64(_MIX2))
@@ -89,7 +88,7 @@ class KeyedSampler:
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:  # [N, L], [N, V] -> [N, V]
         step = torch.tensor([input_ids.shape[1] - self.prompt_width])
-        token = self.draw(scores, keyed_uniform(self.keys.to(scores.device), step)[:, 0, 0])
+        token = self.draw(scores, keyed_uniform(self.keys.to(scores.device), step)[:, 0])
         return torch.full_like(scores, float("-inf")).scatter_(1, token[:, None], 0.0)
 
     def draw(self, scores: Tensor, u: Tensor) -> Tensor:  # [N, V], [N] -> [N] tokens
