@@ -256,19 +256,20 @@ def loop(args, model, tokenizer, rows: list[dict], rewards, accelerator) -> dict
 
 def _loop_trainer(args, variant: str, model, tokenizer, rows, rewards, accelerator):
     from grpo_accel.loss import GRPOLoss
-    from grpo_accel.recipe.schema import OptimConfig
+    from grpo_accel.recipe.schema import LossConfig, OptimConfig
     from grpo_accel.rollout.collector import GRPOCollector
     from grpo_accel.rollout.embedded import EmbeddedEngine
     from grpo_accel.trainer import GRPOTrainer
     from grpo_accel.weight_sync.embedded import EmbeddedWeightSync
 
-    optim = OptimConfig()  # launch/train.py's AdamW: the launcher row's optimizer
+    optim, clip = OptimConfig(), LossConfig()  # launch/train.py's AdamW and clip range: the launcher row's
     policy = copy.deepcopy(model)
     asynchronous = variant != "sync"
     engine = EmbeddedEngine(copy.deepcopy(policy) if asynchronous else policy, tokenizer,
                             max_new_tokens=args.max_new_tokens, decoder=args.decoder, worker=variant == "async+worker")
     collector = GRPOCollector(engine, tokenizer, rows, rewards, layout=BatchLayout(args.prompts, args.group))
-    loss = GRPOLoss(policy, copy.deepcopy(model) if args.kl_coef else None, kl_coef=args.kl_coef)
+    loss = GRPOLoss(policy, copy.deepcopy(model) if args.kl_coef else None, kl_coef=args.kl_coef,
+                    clip_epsilon=(clip.clip_eps_low, clip.clip_eps_high))
     trainer = GRPOTrainer(
         collector=collector, total_frames=(args.warmup + args.steps + 1) * args.prompts * args.group, loss_module=loss,
         optimizer=torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=tuple(optim.betas),
