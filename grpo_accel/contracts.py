@@ -40,19 +40,21 @@ class RolloutEngine(ABC):
     built by :func:`grpo_accel.batch.make_rollout`).
 
     Every engine sets:
-        weight_version: the version of the weights it generates with (its sender sets it).
         pad_id: the id that pads prompts and completions.
         max_new_tokens: the completion budget of one call (one model turn of an episode).
     Defaults, overridden where an engine differs:
+        weight_version: the version an in-process engine stamps on its rows: its sender sets it with the weights
+            (:class:`~grpo_accel.weight_sync.embedded.EmbeddedWeightSync`); the trainer owns the count. Engines of
+            servers stamp what the servers report instead.
         context_limit: prompt + completion tokens one sequence may hold (None: no limit known).
         model: the module it generates from in this process (None: none here, e.g. a server's).
         collective: every process must call ``generate`` together (an in-process model that ZeRO-3 partitions).
         remote: generation runs in other processes, so a background thread may drive it beside training.
     """
 
-    weight_version: int = 0
     pad_id: int
     max_new_tokens: int
+    weight_version: int = 0
     context_limit: int | None = None
     model: nn.Module | None = None
     collective: bool = False
@@ -185,18 +187,24 @@ class OptimizationStepper(ABC):
 
 class WeightSender(ABC):
     """Keeps an engine's weights current with the trainer's (the specification's ``weight_sync_sender``). Under
-    several processes every training process calls it: it may gather ZeRO-3 shards (a collective)."""
+    several processes every training process calls it: it may gather ZeRO-3 shards (a collective).
 
-    version: int = 0
+    The weight version has one owner, the trainer (``GRPOTrainer.weight_version``, saved in its checkpoints): it
+    names each push, and a sender delivers that name with the weights (an SGLang server reports it back; the
+    embedded engine stamps it on the rows it draws). ``pushed`` only records the last version delivered.
+    """
+
+    pushed: int = 0
 
     @abstractmethod
     def push(self, version: int) -> None:
-        """Give the engine the trained weights as ``version``. The trainer calls it after optimising and, on
-        resume, with its restored version (a new process cannot know what the engine holds)."""
+        """Give the engine the trained weights as ``version`` and record it in ``pushed`` once delivered. The
+        trainer calls it after optimising and, on resume, with its restored version (a new process cannot know
+        what the engine holds)."""
 
     def update_weights(self) -> None:
-        """The specification's method: the next version."""
-        self.push(self.version + 1)
+        """The specification's method, for a sender used without a trainer: the version after the last pushed."""
+        self.push(self.pushed + 1)
 
     def close(self) -> None:
         """Release what the sender holds (e.g. a process group the servers joined); called once training is over."""
@@ -236,7 +244,7 @@ class _UpdateWeightsSender(WeightSender):
 
     def push(self, version: int) -> None:
         self.sender.update_weights()
-        self.version = version
+        self.pushed = version
 
 
 class _ScalarLogger(Logger):

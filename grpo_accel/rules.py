@@ -44,10 +44,13 @@ RULES: dict[str, Rule] = {
     "top_k": _at_least(0, "; 0 turns it off"),
     "max_turns": Rule(lambda v: v >= 1, "an episode needs at least one model turn; use >= 1"),
     "seconds": Rule(lambda v: v > 0, "must be > 0 seconds"),
+    "optional_seconds": Rule(lambda v: v is None or v > 0, "use null (no limit) or > 0 seconds"),
     # loss
     "clip_epsilon": Rule(lambda v: v > 0, "must be > 0 (e.g. 0.2 below, 0.28 above)"),
     "kl_coef": Rule(lambda v: v >= 0, "must be >= 0 (0 turns the KL term off)"),
     "tis_cap": _none_or_at_least(1, "off"),
+    # rewards
+    "reward_processes": _at_least(0, " (0: in the trainer's process)"),
     # trainer and checkpoints
     "max_staleness": _none_or_at_least(0, "keep every batch"),
     "log_samples": _at_least(0, " (0: none)"),

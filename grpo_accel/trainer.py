@@ -332,7 +332,7 @@ class GRPOTrainer:
         with self.reporter.timed("weight_sync"):
             if self.weight_sync_sender is not None:
                 try:
-                    self.weight_sync_sender.update_weights()
+                    self.weight_sync_sender.push(self.weight_version)
                 except Exception:
                     self.save_checkpoint("weight sync failed")  # the engines' weights are unknown: keep the run
                     raise

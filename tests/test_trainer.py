@@ -28,6 +28,20 @@ def test_each_batch_is_one_push_and_versions_advance(tokenizer, tiny_model):
     assert len(trainer.replay_buffer) == 0
 
 
+def test_the_trainer_names_every_push_and_the_collector_keeps_no_version(tokenizer, tiny_model):
+    trainer = make_trainer(tokenizer, tiny_model)
+    sender, engine = trainer.weight_sync_sender, trainer.collector.engine
+    sender.update_weights()  # a push outside the trainer (the specification's method): version 1, then 2
+    sender.update_weights()
+    assert sender.pushed == engine.weight_version == 2
+    trainer.train()  # 3 batches: the trainer's versions 1, 2, 3, whatever the sender pushed before
+    assert trainer.weight_version == sender.pushed == engine.weight_version == 3
+    assert [h["train/weight_version_mean"] for h in trainer.history] == [2.0, 1.0, 2.0]
+    assert "weight_version" not in trainer.collector.state_dict()
+    trainer.collector.load_state_dict({**trainer.collector.state_dict(), "weight_version": 7})  # an older checkpoint
+    assert engine.weight_version == 3
+
+
 def test_kept_buffer_grows_and_old_logprobs_are_stored(tokenizer, tiny_model):
     trainer = make_trainer(tokenizer, tiny_model, empty_replay_buffer_on_weight_update=False, optim_steps_per_batch=1)
     trainer.train()

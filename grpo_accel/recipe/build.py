@@ -55,23 +55,16 @@ def build_trainer(cfg: GRPOConfig):
     from grpo_accel.checkpoint import Checkpoint, CheckpointRotation
     from grpo_accel.deepspeed_config import preflight
     from grpo_accel.distributed import first_process, launch_world_size, make_accelerator
-    from grpo_accel.lora import trainable_parameters
-    from grpo_accel.loss import GRPOLoss
     from grpo_accel.recipe.loading import to_dict
     from grpo_accel.recipe.parts import build_environment, build_policy, build_rewards, build_rows
     from grpo_accel.recipe.run_folder import data_fingerprints, start_point
     from grpo_accel.reporting.tracking import TensorBoardLogger
-    from grpo_accel.rollout.collector import GRPOCollector
     from grpo_accel.trainer import GRPOTrainer
 
-    t, r, lc, c = cfg.trainer, cfg.rollout, cfg.loss, cfg.checkpoint
+    t, r, c = cfg.trainer, cfg.rollout, cfg.checkpoint
     preflight()
     layout, micro_batch = batch_layout(cfg, launch_world_size())
-    if t.total_frames % layout.completions:
-        rounded = -(-t.total_frames // layout.completions) * layout.completions
-        log.warning("trainer.total_frames=%d is rounded up to %d: batches are collected whole (%d prompts x %d = %d "
-                    "completions)", t.total_frames, rounded, layout.prompts, layout.group_size, layout.completions)
-        t.total_frames = rounded
+    _round_total_frames(t, layout)
     checkpoint = Checkpoint(Path(cfg.output_dir) / "checkpoints", resume=c.resume,
                             names={"resume": "checkpoint.resume"})
     fingerprints = data_fingerprints(cfg.data)  # read once: a resume compares them, every checkpoint records them
@@ -83,57 +76,96 @@ def build_trainer(cfg: GRPOConfig):
                           "eval.every_iterations=0.")
     rewards = build_rewards(cfg.rewards)  # a bad reward module or environment is refused before any process group
     environment = build_environment(r, cfg.data)
-    tokenizer, model, reference = build_policy(cfg.model, with_reference=lc.kl_coef > 0, seed=t.seed)
+    tokenizer, model, reference = build_policy(cfg.model, with_reference=cfg.loss.kl_coef > 0, seed=t.seed)
     accelerator = make_accelerator(t.gradient_accumulation_steps, t.mixed_precision)
     log.info("process group ready: rank %d of %d (%s)", accelerator.process_index, accelerator.num_processes,
              accelerator.distributed_type.name)
     if accelerator.is_main_process:  # the start-up block once, not once per process
         log.info(layout.describe(micro_batch, t.gradient_accumulation_steps, t.num_epochs, t.optim_steps_per_batch))
     engine, sender = build_engine_and_sender(cfg, model, tokenizer, accelerator)
-    collector = GRPOCollector(
-        engine, tokenizer, rows, rewards, layout=layout, rank=accelerator.process_index,
-        prompt_field=cfg.data.prompt_field, max_prompt_tokens=r.max_prompt_tokens, system_prompt=cfg.data.system_prompt,
-        scale_advantages=lc.scale_advantages, leave_one_out=lc.leave_one_out, seed=t.seed,
-        dynamic_sampling=r.dynamic_sampling, max_extra_rounds=r.max_extra_rounds,
-        environment=environment, max_turns=r.max_turns, max_episode_tokens=r.max_episode_tokens,
-        names=COLLECTOR_NAMES,
-    )
-    loss = GRPOLoss(
-        model, reference, clip_epsilon=(lc.clip_eps_low, lc.clip_eps_high), kl_coef=lc.kl_coef,
-        kl_estimator=lc.kl_estimator, aggregation=lc.aggregation, max_completion_tokens=r.max_completion_tokens,
-        importance_level=lc.importance_level, tis_cap=lc.tis_cap, temperature=r.temperature, packing=lc.packing,
-    )
-    o = cfg.optim
-    # fused: one kernel for all parameters (TRL's default too), 4x faster on the tiny model
-    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=o.lr, betas=tuple(o.betas),
-                                  weight_decay=o.weight_decay, fused=True)
-    logger = TensorBoardLogger(Path(cfg.output_dir) / "tensorboard") if accelerator.is_main_process else None
+    collector = build_collector(cfg, engine, tokenizer, rows, rewards, environment, layout, accelerator.process_index)
     trainer = GRPOTrainer(
         collector=collector, total_frames=t.total_frames, optim_steps_per_batch=t.optim_steps_per_batch,
-        loss_module=loss, optimizer=optimizer, weight_sync_sender=sender,
-        weight_update_frequency=t.weight_update_frequency, async_collection=t.async_collection,
-        max_staleness=t.max_staleness, empty_replay_buffer_on_weight_update=t.empty_replay_buffer_on_weight_update,
+        loss_module=build_loss(cfg, model, reference), optimizer=build_optimizer(cfg, model),
+        weight_sync_sender=sender, weight_update_frequency=t.weight_update_frequency,
+        async_collection=t.async_collection, max_staleness=t.max_staleness,
+        empty_replay_buffer_on_weight_update=t.empty_replay_buffer_on_weight_update,
         batch_size=micro_batch, gradient_accumulation_steps=t.gradient_accumulation_steps,
         mixed_precision=t.mixed_precision != "no",
         autocast_dtype=torch.float16 if t.mixed_precision == "fp16" else torch.bfloat16,
-        logger=logger, clip_norm=o.clip_norm, progress_bar=t.progress_bar, seed=t.seed,
+        logger=TensorBoardLogger(Path(cfg.output_dir) / "tensorboard") if accelerator.is_main_process else None,
+        clip_norm=cfg.optim.clip_norm, progress_bar=t.progress_bar, seed=t.seed,
         log_interval=t.log_interval, num_epochs=t.num_epochs, log_timings=t.log_timings,
         log_rewards=t.log_rewards, log_kl=t.log_kl, log_samples=t.log_samples, accelerator=accelerator,
         checkpoint=checkpoint, save_trainer_interval=c.interval_frames, save_trainer_file=c.legacy_file,
         checkpoint_rotation=CheckpointRotation(c.keep_last, c.keep_best, c.best_metric, c.best_mode),
         checkpoint_metadata=lambda: {"config": to_dict(cfg), "data": fingerprints},
     )
-    if r.colocate:  # the servers free their GPU memory for the optimiser steps; the next push takes it back
+    _register_hooks(trainer, cfg, engine, sender, tokenizer, held_out, rewards)
+    return trainer
+
+
+def _round_total_frames(t, layout: BatchLayout) -> None:
+    """``trainer.total_frames`` up to whole batches (they are collected whole), with a warning."""
+    if t.total_frames % layout.completions:
+        rounded = -(-t.total_frames // layout.completions) * layout.completions
+        log.warning("trainer.total_frames=%d is rounded up to %d: batches are collected whole (%d prompts x %d = %d "
+                    "completions)", t.total_frames, rounded, layout.prompts, layout.group_size, layout.completions)
+        t.total_frames = rounded
+
+
+def build_collector(cfg: GRPOConfig, engine, tokenizer, rows, rewards, environment, layout: BatchLayout, rank: int):
+    """The collector: this process's share of each batch's prompts, their rollouts, rewards and advantages."""
+    from grpo_accel.rollout.collector import GRPOCollector
+
+    r, lc = cfg.rollout, cfg.loss
+    return GRPOCollector(
+        engine, tokenizer, rows, rewards, layout=layout, rank=rank,
+        prompt_field=cfg.data.prompt_field, max_prompt_tokens=r.max_prompt_tokens, system_prompt=cfg.data.system_prompt,
+        scale_advantages=lc.scale_advantages, leave_one_out=lc.leave_one_out, seed=cfg.trainer.seed,
+        dynamic_sampling=r.dynamic_sampling, max_extra_rounds=r.max_extra_rounds,
+        environment=environment, max_turns=r.max_turns, max_episode_tokens=r.max_episode_tokens,
+        names=COLLECTOR_NAMES,
+    )
+
+
+def build_loss(cfg: GRPOConfig, model, reference):
+    """``GRPOLoss`` with the config's clip range, KL term, aggregation and importance sampling."""
+    from grpo_accel.loss import GRPOLoss
+
+    lc = cfg.loss
+    return GRPOLoss(
+        model, reference, clip_epsilon=(lc.clip_eps_low, lc.clip_eps_high), kl_coef=lc.kl_coef,
+        kl_estimator=lc.kl_estimator, aggregation=lc.aggregation, max_completion_tokens=cfg.rollout.max_completion_tokens,
+        importance_level=lc.importance_level, tis_cap=lc.tis_cap, temperature=cfg.rollout.temperature,
+        packing=lc.packing,
+    )
+
+
+def build_optimizer(cfg: GRPOConfig, model):
+    """AdamW over the trainable parameters; fused: one kernel for all of them (TRL's default too), 4x faster on
+    the tiny model."""
+    import torch
+
+    from grpo_accel.lora import trainable_parameters
+
+    o = cfg.optim
+    return torch.optim.AdamW(trainable_parameters(model), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
+                             fused=True)
+
+
+def _register_hooks(trainer, cfg: GRPOConfig, engine, sender, tokenizer, held_out, rewards) -> None:
+    """What the config adds at the trainer's hook stages: colocated servers' memory, held-out evaluation."""
+    if cfg.rollout.colocate:  # the servers free their GPU memory for the optimiser steps; the next push takes it back
         trainer.register_op("pre_optim", lambda _: sender.release_memory(), "release_colocated_servers")
     if cfg.eval.every_iterations:
         from grpo_accel.reporting.evaluation import Evaluator
 
         evaluator = Evaluator(engine, tokenizer, held_out, rewards, every=cfg.eval.every_iterations, k=cfg.eval.k,
                               prompt_field=cfg.data.prompt_field, system_prompt=cfg.data.system_prompt,
-                              success_threshold=cfg.eval.success_threshold, episodes=collector.episodes)
+                              success_threshold=cfg.eval.success_threshold, episodes=trainer.collector.episodes)
         trainer.register_op("pre_train", evaluator.before_training, "evaluate_untrained")
         trainer.register_op("post_iteration", evaluator, "evaluate")
-    return trainer
 
 
 def close_parts(trainer) -> None:

@@ -140,9 +140,7 @@ class RewardConfig:
                   "a reward model needs its folder: path=DIR (a sequence-classification model and its tokenizer).")
         check_key(self.name != "remote" or bool(self.url), f"{key}.url", self.url,
                   "a reward service needs url=http://host:port/score (launch/reward_server.py serves one).")
-        check_key(self.processes >= 0, f"{key}.processes", self.processes, "must be >= 0 (0: in the trainer's process).")
-        check_key(self.timeout_s is None or self.timeout_s > 0, f"{key}.timeout_s", self.timeout_s, "must be > 0 seconds.")
-        check_key(self.batch_size >= 1, f"{key}.batch_size", self.batch_size, "must be >= 1.")
+        check_rules(key, self, processes="reward_processes", timeout_s="optional_seconds", batch_size="positive_count")
         check_choice(f"{key}.dtype", self.dtype, DTYPES)
 
 
@@ -187,4 +185,4 @@ class WeightSyncConfig:
         check_choice("weight_sync.dtype", self.dtype, DTYPES)
         check_choice("weight_sync.pause_mode", self.pause_mode, PAUSE_MODES)
         check_key(self.bucket_mb > 0, "weight_sync.bucket_mb", self.bucket_mb, "must be > 0.")
-        check_key(self.max_attempts >= 1, "weight_sync.max_attempts", self.max_attempts, "must be >= 1.")
+        check_rules("weight_sync", self, max_attempts="positive_count")

@@ -61,8 +61,8 @@ class ModelConfig:
     """LoRA adapter settings (model.lora.r > 0 turns it on)."""
 
     def __post_init__(self) -> None:
-        for key in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
-            check_key(getattr(self, key) > 0, f"model.{key}", getattr(self, key), "must be a positive integer.")
+        check_rules("model", self, hidden_size="positive_count", num_layers="positive_count",
+                    num_heads="positive_count", intermediate_size="positive_count")
         check_key(self.hidden_size % self.num_heads == 0, "model.num_heads", self.num_heads,
                   f"must divide model.hidden_size={self.hidden_size}.")
         check_choice("model.dtype", self.dtype, TRAINING_DTYPES)
@@ -99,7 +99,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_choice("data.task", self.task, tuple(BUILTIN_TASKS))
-        check_key(self.max_operand >= 1, "data.max_operand", self.max_operand, "must be >= 1.")
+        check_rules("data", self, max_operand="positive_count")
         if self.task == "addition":
             check_key(0 <= self.holdout < (self.max_operand + 1) ** 2, "data.holdout", self.holdout,
                       f"must leave training rows: use 0..{(self.max_operand + 1) ** 2 - 1}.")

@@ -277,11 +277,10 @@ class GRPOCollector(Collector):
         return td
 
     def state_dict(self) -> dict:
-        """Dataset position and the engine's weight version (what a resumed run needs to continue exactly)."""
-        return {"epoch": self.epoch, "position": self.position, "batches": self.batches,
-                "weight_version": self.engine.weight_version}
+        """Dataset position (what a resumed run needs to continue exactly; the weight version is the trainer's,
+        which a resumed trainer pushes to the engine before it collects)."""
+        return {"epoch": self.epoch, "position": self.position, "batches": self.batches}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> None:  # a checkpoint of an earlier build also holds "weight_version"
         self.epoch, self.position, self.batches = state["epoch"], state["position"], state["batches"]
-        self.engine.weight_version = state["weight_version"]
         self._order = self._shuffled(self.epoch)

@@ -20,6 +20,7 @@ top-k/top-p), as SGLang reports them.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from grpo_accel import batch
 from grpo_accel.distributed import zero3_collective, zero3_partitioned
 from grpo_accel.logprobs import position_ids_from_mask
 from grpo_accel.rollout.lean import LeanForward, lean_reason
+from grpo_accel.rollout.packed import PackedLinears, packing_reason
 from grpo_accel.rollout.sampling import KeyedSampler, keyed_uniform
 
 DECODERS = ("auto", "fast", "compiled", "generate")
@@ -132,7 +134,9 @@ class Decoder:
     The forward is :class:`~grpo_accel.rollout.lean.LeanForward` (the model's modules without transformers'
     wrappers) where it covers the model (:func:`~grpo_accel.rollout.lean.lean_reason`) and the parameters are
     whole (not under ZeRO-3, whose forward gathers them); otherwise the model's own forward. ``lean=False`` takes
-    the model's forward regardless.
+    the model's forward regardless. A float32 model on CPU with enough matrix weights to leave the cache
+    multiplies by weights packed for oneDNN at each call (:mod:`grpo_accel.rollout.packed`), outside ZeRO-3 and
+    compilation.
 
     ``compiled`` compiles the model's forward with inductor and dynamic shapes (one graph for the prefill, one
     for the decode steps, whatever the lengths and batch). The first call then takes seconds to minutes; each
@@ -160,6 +164,8 @@ class Decoder:
         self.wrapped = torch.compile(forward, dynamic=True) if compiled else forward
         self.lean_forward = LeanForward(model) if self.lean else None
         self.forward = self.lean_forward or self.wrapped
+        whole = not compiled and not zero3_partitioned()
+        self.packed = PackedLinears(model) if whole and packing_reason(model) is None else None
         self.synced = zero3_collective()
         # inference mode skips autograd's per-op bookkeeping (~12% of a tiny model's step); not under ZeRO-3,
         # whose forward hooks allocate the gathered parameters, which must stay ordinary tensors for training
@@ -196,7 +202,7 @@ class Decoder:
         """
         if self.lean_forward is not None:  # hooks may come and go between calls (a test's, a user's)
             self.forward = self.wrapped if self.lean_forward.hooked() else self.lean_forward
-        with self.no_grad():
+        with self.no_grad(), self._packed():
             drawn = self._draw(prompt_ids, prompt_mask, group_size, keys, settings, rows, suffix_ids, suffix_mask)
         rows = prompt_ids.shape[0] * group_size if rows is None else rows.numel()
         return _assemble(drawn, rows, settings)  # outside inference mode: ordinary tensors for the trainer
@@ -251,6 +257,10 @@ class Decoder:
             cache.advance(1)
             next_position = next_position + 1
         return drawn
+
+    def _packed(self):
+        """Packed weights for one call (taken now: the weights may have changed since the last), or nothing."""
+        return self.packed() if self.packed is not None else contextlib.nullcontext()
 
     def _mask(self, mask: Tensor) -> Tensor:  # [B, 1, Q, S] bool -> the attention's format
         """A 4-D mask reaches the attention as it is (transformers' mask creation returns it unchanged)."""

@@ -110,7 +110,6 @@ class SGLangEngine(RolloutEngine):
         self.stop_token_ids = [i for i in stop_token_ids if i != tokenizer.eos_token_id]
         self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
         self.request_size, self.report_every_s = request_size, report_every_s
-        self.weight_version = 0
         for client in self.clients:
             client.wait_healthy(health_timeout_s, names=names)
         self.servers = [api.read_server_info(c) for c in self.clients]
@@ -250,6 +249,8 @@ class SGLangEngine(RolloutEngine):
         if drew:
             c.first_version = min(drew) if c.first_version is None else c.first_version
             c.last_version = max(c.last_version, *drew)
+        elif c.first_version is None:  # no token yet: the row is of the weights the server answered with
+            c.last_version = max(c.last_version, served)
         reason = meta["finish_reason"]
         if reason["type"] != "abort":
             # SGLang checks the length before the stop token (Req.check_finished): a completion whose last
@@ -267,7 +268,7 @@ class SGLangEngine(RolloutEngine):
                                   f", status {reason.get('status_code')}) after {self.retries} retries.")
 
     def _to_rollout(self, completions: list[_Completion]) -> TensorDict:
-        first = [c.first_version if c.first_version is not None else self.weight_version for c in completions]
+        first = [c.last_version if c.first_version is None else c.first_version for c in completions]
         return batch.make_rollout(prompts=[c.prompt for c in completions], completions=[c.ids for c in completions],
                                   engine_logprobs=[c.logprobs for c in completions],
                                   finish_reason=[c.finish for c in completions], weight_version=first,

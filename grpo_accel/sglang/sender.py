@@ -96,7 +96,7 @@ class SGLangSender(WeightSender):
         self.max_attempts, self.verify_tensors = max_attempts, verify_tensors
         self._by_name: list[bool] | None = None  # per server: /get_weights_by_name works (asked at the first check)
         self._probe_needed = False
-        self.version = 0
+        self.pushed = 0
         self.last_sync_s = 0.0
 
     @property
@@ -116,7 +116,7 @@ class SGLangSender(WeightSender):
             if self._all_agree(error is None):
                 error = self._verify(str(version))
                 if self._all_agree(error is None):
-                    self.version = version
+                    self.pushed = version
                     self.last_sync_s = time.perf_counter() - start
                     return
             logger.warning("weight push %d failed (%s); engine weights are unknown, pushing everything again",

@@ -20,8 +20,8 @@ class EmbeddedWeightSync(WeightSender):
         self.engine, self.source = engine, source
 
     @property
-    def version(self) -> int:
-        """The engine's version: the sender keeps no count of its own."""
+    def pushed(self) -> int:
+        """The version the engine holds: its weights and their version change together, under its lock."""
         return self.engine.weight_version
 
     @torch.no_grad()
