@@ -11,10 +11,10 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "GRPOTrainer": "grpo_accel.trainer",
     "GRPOLoss": "grpo_accel.loss",
-    "ReplayBuffer": "grpo_accel.buffer",
+    "ReplayBuffer": "grpo_accel.trainer.buffer",
     "RewardSet": "grpo_accel.rewards",
     "GRPOCollector": "grpo_accel.rollout.collector",
-    "EmbeddedEngine": "grpo_accel.rollout.embedded",
+    "EmbeddedEngine": "grpo_accel.embedded.engine",
     "TensorBoardLogger": "grpo_accel.reporting.tracking",
     "GRPOConfig": "grpo_accel.recipe.schema",
     "BatchLayout": "grpo_accel.layout",

@@ -44,7 +44,7 @@ class RolloutEngine(ABC):
         max_new_tokens: the completion budget of one call (one model turn of an episode).
     Defaults, overridden where an engine differs:
         weight_version: the version an in-process engine stamps on its rows: its sender sets it with the weights
-            (:class:`~grpo_accel.weight_sync.embedded.EmbeddedWeightSync`); the trainer owns the count. Engines of
+            (:class:`~grpo_accel.embedded.sender.EmbeddedWeightSync`); the trainer owns the count. Engines of
             servers stamp what the servers report instead.
         context_limit: prompt + completion tokens one sequence may hold (None: no limit known).
         model: the module it generates from in this process (None: none here, e.g. a server's).

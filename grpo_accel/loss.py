@@ -142,6 +142,13 @@ def distributed_normalizer(global_units: Tensor, num_processes: int, accumulatio
     return global_units / (num_processes * accumulation_steps)
 
 
+def step_normalizer(loss: "GRPOLoss", micro_batches: list, accelerator, accumulation_steps: int, device) -> Tensor:
+    """:func:`distributed_normalizer` of one optimizer step: its units over every process (one all-reduce)."""
+    units = sum(loss.units(mb.to(device)) for mb in micro_batches)
+    total = accelerator.reduce(units.reshape(1).float().to(device), reduction="sum")[0]
+    return distributed_normalizer(total, accelerator.num_processes, accumulation_steps)
+
+
 def effective_sample_size(log_w: Tensor, mask: Tensor) -> Tensor:  # [N, T] -> [], in (0, 1]
     """(sum w)^2 / (n sum w^2) over the real tokens: 1 when every importance weight is equal."""
     lw = log_w[mask.bool()].float()

@@ -36,7 +36,7 @@ from bench_items import items_table, measure_items, timed  # launch/ is on the p
 
 from grpo_accel import batch
 from grpo_accel.layout import BatchLayout
-from grpo_accel.rollout.decode import DECODERS
+from grpo_accel.embedded.decode import DECODERS
 
 SIZES = {  # hidden, layers, heads, intermediate: built-in Llama sizes (random weights); "tiny": build_tiny_qwen2
     "tiny": None,
@@ -106,11 +106,11 @@ def run(args) -> dict | None:
     from grpo_accel.loss import GRPOLoss
     from grpo_accel.rewards import RewardSet, answer_match, format_match
     from grpo_accel.rollout.collector import GRPOCollector, score_rollout
-    from grpo_accel.rollout.embedded import EmbeddedEngine
+    from grpo_accel.embedded.engine import EmbeddedEngine
     from grpo_accel.runtime import configure_threads
     from grpo_accel.tasks.addition import addition_rows
     from grpo_accel.trainer import GRPOTrainer
-    from grpo_accel.weight_sync.embedded import EmbeddedWeightSync
+    from grpo_accel.embedded.sender import EmbeddedWeightSync
 
     if (args.items or args.loop) and launch_world_size() > 1:
         raise SystemExit(f"launch/bench.py: {'--items' if args.items else '--loop'} measures on one process; run it "
@@ -258,9 +258,9 @@ def _loop_trainer(args, variant: str, model, tokenizer, rows, rewards, accelerat
     from grpo_accel.loss import GRPOLoss
     from grpo_accel.recipe.schema import LossConfig, OptimConfig
     from grpo_accel.rollout.collector import GRPOCollector
-    from grpo_accel.rollout.embedded import EmbeddedEngine
+    from grpo_accel.embedded.engine import EmbeddedEngine
     from grpo_accel.trainer import GRPOTrainer
-    from grpo_accel.weight_sync.embedded import EmbeddedWeightSync
+    from grpo_accel.embedded.sender import EmbeddedWeightSync
 
     optim, clip = OptimConfig(), LossConfig()  # launch/train.py's AdamW and clip range: the launcher row's
     policy = copy.deepcopy(model)

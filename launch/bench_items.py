@@ -201,7 +201,7 @@ def _generation_items(engine, prompts: list[list[int]], group: int) -> list[Item
                           "transformers generate with the keyed sampler / our loop: one prefill per prompt, cache "
                           "allocated once, mask sliced, sampler fused (same tokens)"))
         if engine.decoder.lean:
-            from grpo_accel.rollout.decode import Decoder
+            from grpo_accel.embedded.decode import Decoder
 
             lean = median_time(generate, reps=3)
             with _settings(engine, decoder=Decoder(engine.model, lean=False)):

@@ -149,7 +149,7 @@ def main_reporting_errors(argv: list[str] | None = None) -> int:
     (the others wait a moment, so that rank 0's is the first failure); after, each failing process says it with
     its rank. Under torchrun the line also goes to the agent's error file, so the launcher's failure report shows
     it instead of a pointer to the docs. Other errors keep their traceback."""
-    from grpo_accel.hooks import HookError
+    from grpo_accel.trainer.hooks import HookError
 
     try:
         try:

@@ -3,7 +3,7 @@ import torch
 from tensordict import TensorDict
 
 from grpo_accel import batch
-from grpo_accel.buffer import ReplayBuffer
+from grpo_accel.trainer.buffer import ReplayBuffer
 
 
 def _td(n, p, c, fill=1):

@@ -18,7 +18,7 @@ from grpo_accel.recipe.parts import build_rows
 from grpo_accel.recipe.schema import DataConfig
 from grpo_accel.rewards import RewardSet
 from grpo_accel.rollout.collector import GRPOCollector
-from grpo_accel.rollout.embedded import EmbeddedEngine
+from grpo_accel.embedded.engine import EmbeddedEngine
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")

@@ -13,7 +13,7 @@ from grpo_accel.recipe.rollout_schema import RewardConfig
 from grpo_accel.recipe.schema import DataConfig
 from grpo_accel.rewards import RewardSet, answer_match, format_match
 from grpo_accel.rollout.collector import GRPOCollector
-from grpo_accel.rollout.embedded import EmbeddedEngine
+from grpo_accel.embedded.engine import EmbeddedEngine
 
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(3) for b in range(3)]
 

@@ -131,7 +131,8 @@ def test_renamed_keys_name_their_new_name_and_old_checkpoints_still_match():
     from grpo_accel.recipe.loading import resume_conflicts
 
     for old, new in [("rollout.prompts_per_step", "rollout.prompts_per_batch"),
-                     ("weight_sync.verify_names", "weight_sync.verify_tensors")]:
+                     ("weight_sync.verify_names", "weight_sync.verify_tensors"),
+                     ("weight_sync.layout", "weight_sync.load_format")]:
         with pytest.raises(ConfigError, match=f"{old}: renamed {new} \\(the same setting\\); write {new} instead"):
             load_config(None, [f"{old}=2"])
     current = to_dict(load_config(None, []))

@@ -6,9 +6,9 @@ import torch
 
 from grpo_accel import batch
 from grpo_accel.logprobs import sequence_logprobs
-from grpo_accel.rollout.decode import Decoder, DecodeSettings, unsupported_reason
-from grpo_accel.rollout.embedded import EmbeddedEngine
-from grpo_accel.weight_sync.embedded import EmbeddedWeightSync
+from grpo_accel.embedded.decode import Decoder, DecodeSettings, unsupported_reason
+from grpo_accel.embedded.engine import EmbeddedEngine
+from grpo_accel.embedded.sender import EmbeddedWeightSync
 
 PROMPTS = ["12+34=", "1+2=", "7+7=", "49+49="]  # 4 to 6 tokens: left padding
 

@@ -13,7 +13,7 @@ from grpo_accel.logprobs import sequence_logprobs
 from grpo_accel.loss import GRPOLoss
 from grpo_accel.rewards import RewardSet, env_reward
 from grpo_accel.rollout.collector import GRPOCollector
-from grpo_accel.rollout.embedded import EmbeddedEngine
+from grpo_accel.embedded.engine import EmbeddedEngine
 from grpo_accel.rollout.episodes import EpisodeRunner
 from grpo_accel.tasks.tiny import build_tiny_model
 
@@ -160,7 +160,7 @@ def test_episode_training_stopped_and_resumed_equals_a_straight_run(tok, tmp_pat
     state between batches)."""
     from grpo_accel.checkpoint import Checkpoint
     from grpo_accel.trainer import GRPOTrainer
-    from grpo_accel.weight_sync.embedded import EmbeddedWeightSync
+    from grpo_accel.embedded.sender import EmbeddedWeightSync
     from trainer_utils import reset_accelerate_state, without_wall_times
 
     taught = short_turn_model(tok).state_dict()

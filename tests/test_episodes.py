@@ -15,7 +15,7 @@ from grpo_accel.logprobs import sequence_logprobs
 from grpo_accel.loss import GRPOLoss
 from grpo_accel.rewards import RewardSet, env_reward
 from grpo_accel.rollout.collector import GRPOCollector
-from grpo_accel.rollout.embedded import EmbeddedEngine
+from grpo_accel.embedded.engine import EmbeddedEngine
 from grpo_accel.rollout.episodes import EpisodeRunner, TurnRenderer
 from grpo_accel.tasks.calculator import calculator, calculator_environment
 from grpo_accel.tasks.tiny import build_tiny_model

@@ -89,7 +89,7 @@ def test_the_trainer_and_the_launcher_call_declared_contracts_without_probing_th
     """grpo_accel/contracts.py declares what each part provides; the trainer, its argument checks, the recipe's
     wiring and launch/train.py call those members (compute_loss's ``getattr(loss, method)`` calls a method the user
     names, and raises when there is none: not a probe)."""
-    names = ["grpo_accel/trainer.py", "grpo_accel/trainer_args.py", "grpo_accel/recipe/build.py",
+    names = ["grpo_accel/trainer/loop.py", "grpo_accel/trainer/args.py", "grpo_accel/recipe/build.py",
              "grpo_accel/contracts.py", "launch/train.py"]
     assert {name: probes((ROOT / name).read_text()) for name in names} == {name: [] for name in names}
     assert len(probes("hasattr(x, 'a')\ngetattr(x, 'b', None)\ngetattr(x, 'c')")) == 2, "the check finds them"

@@ -6,7 +6,7 @@ from grpo_accel import batch
 import pytest
 
 from grpo_accel.logprobs import selected_logprobs, sequence_logprobs
-from grpo_accel.rollout.embedded import EmbeddedEngine
+from grpo_accel.embedded.engine import EmbeddedEngine
 
 
 def test_selected_logprobs_equal_log_softmax_gather_and_entropy():

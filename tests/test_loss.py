@@ -21,7 +21,7 @@ from grpo_accel.loss import (
     token_log_ratio,
     truncated_is_weights,
 )
-from grpo_accel.rollout.embedded import EmbeddedEngine
+from grpo_accel.embedded.engine import EmbeddedEngine
 
 
 def test_group_advantages_by_hand():

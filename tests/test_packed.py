@@ -1,10 +1,10 @@
-"""Packed decode weights (grpo_accel/rollout/packed.py): the same draws as nn.Linear's, from the current weights."""
+"""Packed decode weights (grpo_accel/embedded/packed.py): the same draws as nn.Linear's, from the current weights."""
 import pytest
 import torch
 
 from grpo_accel import batch
-from grpo_accel.rollout.decode import Decoder, DecodeSettings
-from grpo_accel.rollout.packed import PACK_MIN_BYTES, PackedLinears, packing_reason
+from grpo_accel.embedded.decode import Decoder, DecodeSettings
+from grpo_accel.embedded.packed import PACK_MIN_BYTES, PackedLinears, packing_reason
 
 PROMPTS = ["12+34=", "1+2=", "7+7="]
 

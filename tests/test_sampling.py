@@ -67,7 +67,7 @@ def test_the_three_engines_key_completions_alike(tokenizer, model_dir, servers, 
     """Completion j of the prompt with seed s draws with key s * group_size + j in the embedded engine, in
     multi-turn episodes' first turns and in the SGLang engine's sampling_seed (an int32 there): one function,
     rollout/sampling.completion_keys, for all three (three copies had drifted: 2**40 against 2**56 for seeds)."""
-    from grpo_accel.rollout.embedded import EmbeddedEngine
+    from grpo_accel.embedded.engine import EmbeddedEngine
     from grpo_accel.rollout.episodes import EpisodeRunner
     from grpo_accel.sglang import api
     from grpo_accel.sglang.engine import SGLangEngine

@@ -142,14 +142,14 @@ def distributed_sender(accelerator, model, url, **kw):
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-@pytest.mark.parametrize("layout", ["per_tensor", "flattened_bucket"])
+@pytest.mark.parametrize("load_format", ["per_tensor", "flattened_bucket"])
 def test_a_refused_update_gets_a_new_group_and_everything_is_pushed_again(accelerator, model_dir, fresh_server,
-                                                                          version, layout, caplog):
+                                                                          version, load_format, caplog):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     url = fresh_server(version)
-    sender = distributed_sender(accelerator, model, url, layout=layout)
+    sender = distributed_sender(accelerator, model, url, load_format=load_format)
     first_group = server_state(url)["groups"]
     sender.update_weights()
     assert_server_holds(url, model)
@@ -238,7 +238,7 @@ def test_two_servers_get_consecutive_ranks(accelerator, model_dir, fresh_server)
 
     model = trained(AutoModelForCausalLM.from_pretrained(model_dir))
     a, b = fresh_server(), fresh_server(VERSIONS[0])
-    sender = distributed_sender(accelerator, model, [a, b], layout="flattened_bucket")
+    sender = distributed_sender(accelerator, model, [a, b], load_format="flattened_bucket")
     sender.update_weights()
     for url, rank in ((a, 1), (b, 2)):
         assert_server_holds(url, model)

@@ -162,7 +162,7 @@ def test_episodes_that_fill_the_context_end_length_on_both_engines(servers, tmp_
     from transformers import AutoModelForCausalLM
 
     from episode_env import Countdown, chat_tokenizer, short_turn_model
-    from grpo_accel.rollout.embedded import EmbeddedEngine
+    from grpo_accel.embedded.engine import EmbeddedEngine
     from grpo_accel.rollout.episodes import EpisodeRunner
 
     tok = chat_tokenizer()
@@ -237,7 +237,7 @@ def test_a_tp2_server_and_a_dp_attention_server_receive_the_trainers_weights_bit
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01)
-    sender = distributed_sender(accelerator, model, [tp, dp], layout="flattened_bucket")
+    sender = distributed_sender(accelerator, model, [tp, dp], load_format="flattened_bucket")
     sender.update_weights()
     expected = control(tp, "/_standin/digest")
     ours = {n: hashlib.sha256(p.detach().float().numpy().tobytes()).hexdigest() for n, p in model.named_parameters()}

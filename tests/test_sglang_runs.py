@@ -38,15 +38,15 @@ def assert_server_holds_checkpoint(url, out):
         assert torch.equal(torch.tensor(value), trained_weights[name]), name  # float32 sync: bitwise
 
 
-@pytest.mark.parametrize("version, layout, lora", [(NEWEST, "per_tensor", ()),
+@pytest.mark.parametrize("version, load_format, lora", [(NEWEST, "per_tensor", ()),
                                                    (VERSIONS[0], "flattened_bucket", ("model.lora.r=4",))])
 def test_zero3_grpo_run_keeps_the_server_weights_equal_to_the_trainer(tmp_path, model_dir, fresh_server, version,
-                                                                      layout, lora, monkeypatch, capsys):
-    """Both layouts, with (0.5.23) and without (0.5.9) the update session, each through a refused update; the
+                                                                      load_format, lora, monkeypatch, capsys):
+    """Both load formats, with (0.5.23) and without (0.5.9) the update session, each through a refused update; the
     other two pairings run in-process above. The LoRA run pushes base + alpha/r * B A under the base names."""
     url, out = fresh_server(version), tmp_path / "run"
     fail_next(url, "/update_weights_from_distributed", "refuse")
-    proc = launch("zero3.yaml", sglang_args(out, url, model_dir, f"weight_sync.layout={layout}", *lora))
+    proc = launch("zero3.yaml", sglang_args(out, url, model_dir, f"weight_sync.load_format={load_format}", *lora))
     state = server_state(url)
     assert_server_holds_checkpoint(url, out)
     monkeypatch.syspath_prepend(str(ROOT / "launch"))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from grpo_accel import batch
-from grpo_accel.buffer import ReplayBuffer
+from grpo_accel.trainer.buffer import ReplayBuffer
 from grpo_accel.layout import BatchLayout
 from trainer_utils import (fresh_accelerate_state, make_trainer, reset_accelerate_state,  # noqa: F401 (autouse fixture)
                            without_wall_times)
@@ -213,9 +213,9 @@ def test_a_collector_split_for_another_process_count_is_refused(tokenizer, tiny_
     from grpo_accel import GRPOLoss, GRPOTrainer
     from grpo_accel.rewards import RewardSet, answer_match
     from grpo_accel.rollout.collector import GRPOCollector
-    from grpo_accel.rollout.embedded import EmbeddedEngine
+    from grpo_accel.embedded.engine import EmbeddedEngine
     from grpo_accel.tasks.addition import addition_rows
-    from grpo_accel.weight_sync.embedded import EmbeddedWeightSync
+    from grpo_accel.embedded.sender import EmbeddedWeightSync
 
     engine = EmbeddedEngine(tiny_model, tokenizer, max_new_tokens=4)
     rewards = RewardSet({"answer_match": answer_match})

@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from grpo_accel import batch
-from grpo_accel.hooks import STAGES, HookError
+from grpo_accel.trainer.hooks import STAGES, HookError
 from grpo_accel.layout import BatchLayout
 from grpo_accel.reporting.evaluation import Evaluator
 from grpo_accel.rewards import RewardSet, answer_match, format_match
 from grpo_accel.rollout.collector import GRPOCollector
-from grpo_accel.rollout.embedded import EmbeddedEngine
-from grpo_accel.stepper import MixedPrecisionOptimizationStepper
+from grpo_accel.embedded.engine import EmbeddedEngine
+from grpo_accel.trainer.stepper import MixedPrecisionOptimizationStepper
 from grpo_accel.tasks.addition import addition_rows
 from grpo_accel.tasks.tiny import build_tiny_model
-from grpo_accel.weight_sync.embedded import EmbeddedWeightSync
+from grpo_accel.embedded.sender import EmbeddedWeightSync
 from trainer_utils import fresh_accelerate_state, make_trainer, reset_accelerate_state  # noqa: F401
 
 
@@ -241,7 +241,7 @@ def test_a_collector_of_another_process_is_refused():
     """Under several processes each collector must hold its own process's share (explicit rank, checked)."""
     from types import SimpleNamespace
 
-    from grpo_accel.trainer_args import check_collector
+    from grpo_accel.trainer.args import check_collector
 
     collector = SimpleNamespace(layout=BatchLayout(4, 2, processes=2), rank=0)
     check_collector(collector, SimpleNamespace(num_processes=2, process_index=0))

@@ -93,7 +93,7 @@ class _Says:
 ])
 def test_an_environment_that_answers_garbage_stops_the_episode_naming_it(answer, message, tokenizer):
     from episode_env import chat_tokenizer
-    from grpo_accel.rollout.embedded import EmbeddedEngine
+    from grpo_accel.embedded.engine import EmbeddedEngine
     from grpo_accel.rollout.episodes import EpisodeError, EpisodeRunner, Step
     from grpo_accel.tasks.tiny import build_tiny_model
 
@@ -165,7 +165,7 @@ def _assert_stops_at_either(td, stops):
 def test_the_embedded_engine_stops_on_every_id_the_generation_config_lists(two_stop_model, tokenizer, decoder):
     from transformers import AutoModelForCausalLM
 
-    from grpo_accel.rollout.embedded import EmbeddedEngine
+    from grpo_accel.embedded.engine import EmbeddedEngine
 
     folder, stop = two_stop_model
     engine = EmbeddedEngine(AutoModelForCausalLM.from_pretrained(folder), tokenizer, max_new_tokens=12, decoder=decoder)
@@ -195,7 +195,7 @@ def test_sglang_requests_name_the_models_stop_ids(two_stop_model, tokenizer, ser
 def test_with_pad_equal_to_eos_the_stop_trains_once_and_padding_never(tokenizer):
     import copy
 
-    from grpo_accel.rollout.embedded import EmbeddedEngine
+    from grpo_accel.embedded.engine import EmbeddedEngine
     from grpo_accel.tasks.tiny import build_tiny_model
 
     tok = copy.deepcopy(tokenizer)

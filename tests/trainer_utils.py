@@ -7,10 +7,10 @@ from grpo_accel.lora import trainable_parameters
 from grpo_accel.loss import GRPOLoss
 from grpo_accel.rewards import RewardSet, answer_match, format_match
 from grpo_accel.rollout.collector import GRPOCollector
-from grpo_accel.rollout.embedded import EmbeddedEngine
+from grpo_accel.embedded.engine import EmbeddedEngine
 from grpo_accel.tasks.addition import addition_rows
 from grpo_accel.trainer import GRPOTrainer
-from grpo_accel.weight_sync.embedded import EmbeddedWeightSync
+from grpo_accel.embedded.sender import EmbeddedWeightSync
 
 
 def reset_accelerate_state():

@@ -31,7 +31,7 @@ COLLECTOR_NAMES = {key: f"rollout.{key}" for key in ("max_new_tokens", "max_prom
 SGLANG_NAMES = {"api_key": "rollout.api_key", "admin_api_key": "weight_sync.admin_api_key",
                 "health_timeout_s": "rollout.health_timeout_s", "urls": "rollout.urls",
                 "master_address": "weight_sync.master_address", "master_port": "weight_sync.master_port",
-                "timeout_s": "weight_sync.timeout_s", "pause_mode": "weight_sync.pause_mode", "layout": "weight_sync.layout"}
+                "timeout_s": "weight_sync.timeout_s", "pause_mode": "weight_sync.pause_mode", "load_format": "weight_sync.load_format"}
 
 
 def batch_layout(cfg: GRPOConfig, num_processes: int) -> tuple[BatchLayout, int]:
@@ -182,8 +182,8 @@ def build_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
     if cfg.rollout.backend == "sglang":
         return _sglang_engine_and_sender(cfg, model, tokenizer, accelerator)
     from grpo_accel.distributed import gathered_parameters
-    from grpo_accel.rollout.embedded import EmbeddedEngine
-    from grpo_accel.weight_sync.embedded import EmbeddedWeightSync
+    from grpo_accel.embedded.engine import EmbeddedEngine
+    from grpo_accel.embedded.sender import EmbeddedWeightSync
 
     r = cfg.rollout
     # Async collection generates while the policy is updated, so the engine needs its own copy of the weights.
@@ -221,7 +221,7 @@ def _sglang_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
         from grpo_accel.sglang.from_distributed import DistributedWeightSender
 
         sender = DistributedWeightSender(accelerator, model, r.urls, master_address=w.master_address,
-                                         master_port=w.master_port, backend=w.backend, layout=w.layout, **common)
+                                         master_port=w.master_port, backend=w.backend, load_format=w.load_format, **common)
     elif w.method == "disk":
         from grpo_accel.sglang.from_disk import DiskWeightSender
 

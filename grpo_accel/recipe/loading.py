@@ -146,7 +146,8 @@ RESUME_MUST_MATCH = ("model.", "data.", "rollout.prompts_per_batch", "rollout.gr
 
 # Keys an earlier release called otherwise: a config that uses one is told the new name; a checkpoint saved with
 # one still resumes.
-RENAMED = {"rollout.prompts_per_step": "rollout.prompts_per_batch", "weight_sync.verify_names": "weight_sync.verify_tensors"}
+RENAMED = {"rollout.prompts_per_step": "rollout.prompts_per_batch", "weight_sync.verify_names": "weight_sync.verify_tensors",
+           "weight_sync.layout": "weight_sync.load_format"}
 
 
 def resume_conflicts(saved: dict, current: dict) -> list[str]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from grpo_accel.recipe.checks import check_choice, check_key, check_rules
 from grpo_accel.rules import DTYPES
-from grpo_accel.sglang.api import PAUSE_MODES, TRANSFER_LAYOUTS
+from grpo_accel.sglang.api import LOAD_FORMATS, PAUSE_MODES
 
 
 @dataclass
@@ -82,7 +82,7 @@ class RolloutConfig:
                     top_p="top_p", top_k="top_k", max_extra_rounds="non_negative_count", max_turns="max_turns",
                     max_episode_tokens="optional_count", tool_timeout_s="seconds", request_size="positive_count",
                     request_timeout_s="seconds", request_retries="non_negative_count")
-        from grpo_accel.rollout.decode import DECODERS  # lazily: decode.py imports transformers
+        from grpo_accel.embedded.decode import DECODERS  # lazily: decode.py imports transformers
 
         check_choice("rollout.decoder", self.decoder, DECODERS)
         check_key(not self.embedded_worker or self.backend == "embedded", "rollout.embedded_worker", self.embedded_worker,
@@ -152,8 +152,9 @@ class WeightSyncConfig:
     """distributed (NCCL/gloo broadcast), disk (safetensors + /update_weights_from_disk) or tensor (CUDA IPC)."""
     bucket_mb: float = 512.0
     """Megabytes per bucket: bounds the extra memory of the ZeRO-3 gather on every rank."""
-    layout: str = "per_tensor"
-    """distributed: per_tensor (one broadcast per tensor) or flattened_bucket (one per bucket)."""
+    load_format: str = "per_tensor"
+    """distributed: per_tensor (one broadcast per tensor) or flattened_bucket (one per bucket; SGLang's
+    ``load_format`` of the update request)."""
     backend: str = "auto"
     """distributed: nccl, gloo, or auto (nccl when CUDA is available)."""
     master_address: str | None = None
@@ -180,7 +181,7 @@ class WeightSyncConfig:
 
     def __post_init__(self) -> None:
         check_choice("weight_sync.method", self.method, ("distributed", "disk", "tensor"))
-        check_choice("weight_sync.layout", self.layout, TRANSFER_LAYOUTS)
+        check_choice("weight_sync.load_format", self.load_format, LOAD_FORMATS)
         check_choice("weight_sync.backend", self.backend, ("auto", "nccl", "gloo"))
         check_choice("weight_sync.dtype", self.dtype, DTYPES)
         check_choice("weight_sync.pause_mode", self.pause_mode, PAUSE_MODES)

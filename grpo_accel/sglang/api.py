@@ -73,7 +73,7 @@ logger = logging.getLogger(__name__)
 SUPPORTED = ((0, 5, 9), (0, 5, 23))
 """Oldest and newest SGLang release this client was checked against (tests read both releases' source)."""
 PAUSE_MODES = ("retract", "abort")
-TRANSFER_LAYOUTS = ("per_tensor", "flattened_bucket")  # /update_weights_from_distributed: a broadcast per tensor or per bucket
+LOAD_FORMATS = ("per_tensor", "flattened_bucket")  # /update_weights_from_distributed: a broadcast per tensor or per bucket
 """How a weight push pauses the servers (``in_place`` is not offered: its running requests make the flush that
 ends every update fail)."""
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")

@@ -54,7 +54,7 @@ class DistributedWeightSender(SGLangSender):
             None: rank 0's address on the route to the first server (said at start).
         backend: "nccl", "gloo", or "auto" (nccl with CUDA).
         bucket_mb: bytes per bucket; bounds the extra memory of the gather on every rank.
-        layout: "per_tensor" (one broadcast per tensor) or "flattened_bucket" (one uint8 broadcast per bucket).
+        load_format: "per_tensor" (one broadcast per tensor) or "flattened_bucket" (one uint8 broadcast per bucket).
         dtype: dtype the engine holds (sent as such).
         api_key / admin_api_key: the servers' ``--api-key`` and ``--admin-api-key`` (weight endpoints take the
             admin key when a server has one).
@@ -74,16 +74,16 @@ class DistributedWeightSender(SGLangSender):
     uses_session = True
 
     def __init__(self, accelerator, model, urls: list[str], *, master_address: str | None = None,
-                 master_port: int = 29600, backend: str = "auto", bucket_mb: float = 512, layout: str = "per_tensor",
+                 master_port: int = 29600, backend: str = "auto", bucket_mb: float = 512, load_format: str = "per_tensor",
                  dtype: torch.dtype = torch.bfloat16, api_key: str | None = None, admin_api_key: str | None = None,
                  group_name: str = api.DEFAULT_GROUP, max_attempts: int = 2, verify_tensors: int = 2,
                  timeout_s: float = 600.0, pause_mode: str = "retract", memory_record: str | Path | None = None,
                  names: Mapping[str, str] | None = None) -> None:
-        check_choice(setting(names, "layout"), layout, api.TRANSFER_LAYOUTS, owner="DistributedWeightSender: ")
+        check_choice(setting(names, "load_format"), load_format, api.LOAD_FORMATS, owner="DistributedWeightSender: ")
         super().__init__(accelerator, model, urls, api_key=api_key, admin_api_key=admin_api_key, bucket_mb=bucket_mb,
                          dtype=dtype, max_attempts=max_attempts, verify_tensors=verify_tensors, timeout_s=timeout_s,
                          pause_mode=pause_mode, memory_record=memory_record, names=names)
-        self.layout, self.timeout_s = layout, timeout_s
+        self.load_format, self.timeout_s = load_format, timeout_s
         self.backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
         self.group: WeightUpdateGroup | None = None
         if self.is_sender:
@@ -158,9 +158,9 @@ class DistributedWeightSender(SGLangSender):
                 raise WeightSyncError(f"tensor {tuple(t.shape)}/{t.dtype} does not match announced {shape}/{self.dtype}")
         request = api.update_weights_from_distributed(
             bucket.names, [dtype_name(self.dtype)] * len(bucket.names), [list(s) for s in bucket.shapes],
-            self.group.name, self.layout == "flattened_bucket", self._is_last(index), version)
+            self.group.name, self.load_format == "flattened_bucket", self._is_last(index), version)
         device = "cuda" if self.backend == "nccl" else "cpu"
-        if self.layout == "flattened_bucket":  # one uint8 buffer: the tensors' bytes concatenated in order
+        if self.load_format == "flattened_bucket":  # one uint8 buffer: the tensors' bytes concatenated in order
             payload = [torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]).to(device)]
         else:
             payload = [t.to(device) for t in tensors]

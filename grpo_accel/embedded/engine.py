@@ -15,12 +15,12 @@ from grpo_accel import batch
 from grpo_accel.contracts import RolloutEngine
 from grpo_accel.distributed import zero3_collective
 from grpo_accel.logprobs import selected_logprobs
-from grpo_accel.rollout.decode import DECODERS
+from grpo_accel.embedded.decode import DECODERS
 from grpo_accel.rollout.sampling import KeyedSampler, batch_seeds, completion_keys
 
 if TYPE_CHECKING:
-    from grpo_accel.rollout.decode import Decoder
-    from grpo_accel.rollout.worker import DecodeWorker
+    from grpo_accel.embedded.decode import Decoder
+    from grpo_accel.embedded.worker import DecodeWorker
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +38,12 @@ class EmbeddedEngine(RolloutEngine):
             model's ``generation_config.eos_token_id`` lists (:func:`grpo_accel.batch.stop_token_ids`).
         max_new_tokens: completion budget; a completion that reaches it finishes with reason "length".
         gather: context manager factory entered around generation (gathers ZeRO-3 shards); none by default.
-        decoder: "fast" decodes with :class:`grpo_accel.rollout.decode.Decoder` (the model's forward in a lean
+        decoder: "fast" decodes with :class:`grpo_accel.embedded.decode.Decoder` (the model's forward in a lean
             loop), "compiled" the same with the forward under ``torch.compile`` (a slow first call, then faster
             steps), "generate" with transformers' ``generate``; "auto" takes "fast" when the model allows it (see
-            :func:`~grpo_accel.rollout.decode.unsupported_reason`). All draw the same tokens for the same keys
+            :func:`~grpo_accel.embedded.decode.unsupported_reason`). All draw the same tokens for the same keys
             (compiled kernels round differently in low precision, so a near-tie can flip a draw there).
-        worker: decode in a process of its own (:class:`~grpo_accel.rollout.worker.DecodeWorker`, started at the
+        worker: decode in a process of its own (:class:`~grpo_accel.embedded.worker.DecodeWorker`, started at the
             first ``generate``), on ``model``'s weights in shared memory: for asynchronous collection on CPU,
             where generation then runs beside training instead of taking turns with it. ``model`` must be the
             engine's own copy (updated in place by :class:`EmbeddedWeightSync`). The two processes split this
@@ -67,7 +67,7 @@ class EmbeddedEngine(RolloutEngine):
         decoder: str = "auto",
         worker: bool = False,
     ) -> None:
-        from grpo_accel.rollout.decode import DecodeSettings, unsupported_reason
+        from grpo_accel.embedded.decode import DecodeSettings, unsupported_reason
 
         if decoder not in DECODERS:
             raise ValueError(f"EmbeddedEngine: decoder={decoder!r} is not one of {DECODERS}.")
@@ -178,15 +178,15 @@ class EmbeddedEngine(RolloutEngine):
     def _decode(self, ids: Tensor, mask: Tensor, keys: Tensor | None, rows: Tensor,
                 suffix: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
         if self.use_worker and self.worker is None:
-            from grpo_accel.rollout.worker import DecodeWorker
+            from grpo_accel.embedded.worker import DecodeWorker
 
             self.worker = DecodeWorker(self.model, self.compiled, threads=self.worker_threads)
         elif not self.use_worker and self.decoder is None:
-            from grpo_accel.rollout.decode import Decoder
+            from grpo_accel.embedded.decode import Decoder
 
             self.decoder = Decoder(self.model, self.compiled)
         more = {} if suffix is None else {"suffix_ids": suffix[0], "suffix_mask": suffix[1]}
-        return (self.worker or self.decoder)(ids, mask, 1, keys, self.settings, rows=rows, **more)
+        return (self.worker or self.decoder)(ids, mask, 1, keys, self.settings, prompt_of=rows, **more)
 
     def _generate(self, ids: Tensor, mask: Tensor, keys: Tensor | None) -> tuple[Tensor, Tensor]:
         """transformers' ``generate`` over rows [N, L] with the keyed sampler as its logits processor:

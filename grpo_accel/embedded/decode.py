@@ -4,7 +4,7 @@
 attention mask from the 2-D padding mask, grows the key/value cache by concatenation, and runs its logits
 processors and stopping criteria one by one. This loop keeps the model's forward (any causal LM whose layers
 all use full attention; for Llama-family models its modules without transformers' wrappers,
-:mod:`grpo_accel.rollout.lean`) and does the rest once:
+:mod:`grpo_accel.embedded.lean`) and does the rest once:
 
 - one prefill per prompt: the G completions of a prompt copy its keys and values instead of recomputing them
   (a later turn of multi-turn episodes too: each episode then prefills only its own tokens after the prompt);
@@ -31,8 +31,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from grpo_accel import batch
 from grpo_accel.distributed import zero3_collective, zero3_partitioned
 from grpo_accel.logprobs import position_ids_from_mask
-from grpo_accel.rollout.lean import LeanForward, lean_reason
-from grpo_accel.rollout.packed import PackedLinears, packing_reason
+from grpo_accel.embedded.lean import LeanForward, lean_reason
+from grpo_accel.embedded.packed import PackedLinears, packing_reason
 from grpo_accel.rollout.sampling import KeyedSampler, keyed_uniform
 
 DECODERS = ("auto", "fast", "compiled", "generate")
@@ -131,11 +131,11 @@ class BudgetCache(Cache):
 class Decoder:
     """The decode loop bound to one model: its forward and its mask format, set up once.
 
-    The forward is :class:`~grpo_accel.rollout.lean.LeanForward` (the model's modules without transformers'
-    wrappers) where it covers the model (:func:`~grpo_accel.rollout.lean.lean_reason`) and the parameters are
+    The forward is :class:`~grpo_accel.embedded.lean.LeanForward` (the model's modules without transformers'
+    wrappers) where it covers the model (:func:`~grpo_accel.embedded.lean.lean_reason`) and the parameters are
     whole (not under ZeRO-3, whose forward gathers them); otherwise the model's own forward. ``lean=False`` takes
     the model's forward regardless. A float32 model on CPU with enough matrix weights to leave the cache
-    multiplies by weights packed for oneDNN at each call (:mod:`grpo_accel.rollout.packed`), outside ZeRO-3 and
+    multiplies by weights packed for oneDNN at each call (:mod:`grpo_accel.embedded.packed`), outside ZeRO-3 and
     compilation.
 
     ``compiled`` compiles the model's forward with inductor and dynamic shapes (one graph for the prefill, one
@@ -191,41 +191,41 @@ class Decoder:
         keys: Tensor | None,  # [N] sampling keys, None for greedy
         settings: DecodeSettings,
         *,
-        rows: Tensor | None = None,  # [N] the prompt each row continues (default: group_size rows per prompt)
+        prompt_of: Tensor | None = None,  # [N] the prompt each row continues (default: group_size rows per prompt)
         suffix_ids: Tensor | None = None,  # [N, S] left-padded: each row's tokens between its prompt and the draws
         suffix_mask: Tensor | None = None,  # [N, S]
     ) -> tuple[Tensor, Tensor]:  # completions [N, C] (pad after EOS), logprobs [N, C] (float32 or wider)
         """Sample ``group_size`` completions per prompt; C is the longest completion (at most the budget).
 
-        With ``rows`` and ``suffix_ids`` (a later turn of multi-turn episodes), row i continues prompt ``rows[i]``
+        With ``prompt_of`` and ``suffix_ids`` (a later turn of multi-turn episodes), row i continues prompt ``prompt_of[i]``
         after its own suffix: each prompt is prefilled once for all its rows, then only the suffixes are.
         """
         if self.lean_forward is not None:  # hooks may come and go between calls (a test's, a user's)
             self.forward = self.wrapped if self.lean_forward.hooked() else self.lean_forward
         with self.no_grad(), self._packed():
-            drawn = self._draw(prompt_ids, prompt_mask, group_size, keys, settings, rows, suffix_ids, suffix_mask)
-        rows = prompt_ids.shape[0] * group_size if rows is None else rows.numel()
-        return _assemble(drawn, rows, settings)  # outside inference mode: ordinary tensors for the trainer
+            drawn = self._draw(prompt_ids, prompt_mask, group_size, keys, settings, prompt_of, suffix_ids, suffix_mask)
+        n = prompt_ids.shape[0] * group_size if prompt_of is None else prompt_of.numel()
+        return _assemble(drawn, n, settings)  # outside inference mode: ordinary tensors for the trainer
 
     def _draw(self, prompt_ids: Tensor, prompt_mask: Tensor, group_size: int, keys: Tensor | None,
-              settings: DecodeSettings, rows: Tensor | None, suffix_ids: Tensor | None,
+              settings: DecodeSettings, prompt_of: Tensor | None, suffix_ids: Tensor | None,
               suffix_mask: Tensor | None) -> list[tuple[Tensor, Tensor, Tensor]]:  # (live rows, token, logprob) per step
         device = prompt_ids.device
         prompts, width = prompt_ids.shape
-        if rows is None:
-            rows = torch.arange(prompts, device=device).repeat_interleave(group_size)
-        n, extra = rows.numel(), 0 if suffix_ids is None else suffix_ids.shape[1]
+        if prompt_of is None:
+            prompt_of = torch.arange(prompts, device=device).repeat_interleave(group_size)
+        n, extra = prompt_of.numel(), 0 if suffix_ids is None else suffix_ids.shape[1]
         budget = settings.max_new_tokens
         cache = BudgetCache(self.model.config.num_hidden_layers, width + extra + budget)
         visible = torch.ones(n, width + extra + budget, dtype=torch.bool, device=device)  # [N, L + S + C] keys seen
-        visible[:, :width] = prompt_mask.bool()[rows]
+        visible[:, :width] = prompt_mask.bool()[prompt_of]
         positions = position_ids_from_mask(prompt_mask)  # [P, L]
 
         logits = self.forward(prompt_ids, self._mask(_prefill_mask(prompt_mask)), positions, cache)  # [P, V]
         cache.advance(width)
-        cache.take_rows(rows)
-        logits = logits[rows]  # [N, V]
-        next_position = positions[rows, -1:] + 1  # [N, 1]
+        cache.take_rows(prompt_of)
+        logits = logits[prompt_of]  # [N, V]
+        next_position = positions[prompt_of, -1:] + 1  # [N, 1]
         if suffix_ids is not None:
             visible[:, width : width + extra] = suffix_mask.bool()
             suffix_positions = next_position + suffix_mask.cumsum(1) - 1  # [N, S]
@@ -270,13 +270,13 @@ class Decoder:
             ~mask, torch.finfo(self.mask_dtype).min)
 
 
-def _assemble(drawn: list[tuple[Tensor, Tensor, Tensor]], rows: int,
+def _assemble(drawn: list[tuple[Tensor, Tensor, Tensor]], n: int,
               settings: DecodeSettings) -> tuple[Tensor, Tensor]:  # -> tokens [N, C], logprobs [N, C]
     """The per-step draws as [N, C] tensors, one write per stretch of steps with the same live rows; after a
     row's EOS, pad tokens and zero logprobs."""
     first = drawn[0][1]
-    tokens = first.new_full((rows, len(drawn)), settings.pad_id)
-    logprobs = drawn[0][2].new_zeros(rows, len(drawn))
+    tokens = first.new_full((n, len(drawn)), settings.pad_id)
+    logprobs = drawn[0][2].new_zeros(n, len(drawn))
     start = 0
     for end in range(1, len(drawn) + 1):
         if end == len(drawn) or drawn[end][0] is not drawn[start][0]:

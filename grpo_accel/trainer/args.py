@@ -8,6 +8,7 @@ from grpo_accel import rules
 from grpo_accel.contracts import Collector, LossModule, OptimizationStepper
 from grpo_accel.distributed import make_accelerator, zero_stage
 from grpo_accel.rules import check
+from grpo_accel.trainer.buffer import ReplayBuffer
 
 AUTOCAST_MODES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -78,3 +79,14 @@ def check_async(collector: Collector, loss_module: LossModule, acc) -> None:
             "training; turn one of them off")
     require(engine is None or engine.model is None or engine.model is not loss_module.policy, "async_collection",
             True, "the engine generates from the weights being trained; give it its own copy and a weight-sync sender")
+
+
+def replay_buffer_for(a: dict, layout) -> ReplayBuffer:
+    """The user's replay buffer or a new one, drawing micro-batches of ``batch_size`` completions (default: the
+    buffer's own, else the process's share over the accumulation steps), checked against the layout."""
+    buffer, accumulation = a["replay_buffer"], a["gradient_accumulation_steps"]
+    micro_batch = a["batch_size"] or (buffer.batch_size if buffer is not None else layout.auto_micro_batch(accumulation))
+    buffer = buffer or ReplayBuffer(micro_batch, seed=a["seed"])
+    buffer.batch_size = micro_batch
+    layout.check_steps(micro_batch, accumulation, a["optim_steps_per_batch"])
+    return buffer

@@ -40,7 +40,7 @@ def lean_reason(model: nn.Module) -> str | None:
 class LeanForward:
     """``forward(ids, mask, positions, cache) -> logits of the last position``, as the decode loop calls the model.
 
-    ``mask`` [B, 1, Q, S] boolean (True: attend), ``cache`` a :class:`~grpo_accel.rollout.decode.BudgetCache`.
+    ``mask`` [B, 1, Q, S] boolean (True: attend), ``cache`` a :class:`~grpo_accel.embedded.decode.BudgetCache`.
     """
 
     def __init__(self, model: nn.Module) -> None:

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from grpo_accel.contracts import WeightSender
-from grpo_accel.rollout.embedded import EmbeddedEngine
+from grpo_accel.embedded.engine import EmbeddedEngine
 
 
 class EmbeddedWeightSync(WeightSender):

@@ -1,7 +1,7 @@
 """GRPOTrainer: the GRPO loop under an ``accelerate.Accelerator``, with torchrl's constructor and methods.
 
 One iteration (``_iteration``, in this order; the hook stages users register at in brackets, see
-:mod:`grpo_accel.hooks`)::
+:mod:`grpo_accel.trainer.hooks`)::
 
     collector ──► rollout [N] (ids, masks, engine logprobs, rewards, advantages)
       [post_collect]   users may filter or replace the rollout
@@ -25,20 +25,21 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from grpo_accel import batch
-from grpo_accel.buffer import ReplayBuffer
 from grpo_accel.checkpoint import Checkpoint, module_signature
-from grpo_accel.checkpointer import TrainerFiles
 from grpo_accel.contracts import Collector, LossModule, OptimizationStepper, as_logger, as_weight_sender
 from grpo_accel.distributed import any_process, configure_deepspeed_for, zero_stage
-from grpo_accel.hooks import Hooks
-from grpo_accel.loss import add_in_chunks, distributed_normalizer
+from grpo_accel.loss import add_in_chunks, step_normalizer
 from grpo_accel.reporting.reporter import Reporter, ReportSettings
-from grpo_accel.rollout.background import staleness
+from grpo_accel.rollout.background import BackgroundCollector, staleness
 from grpo_accel.runtime import stop_on_signals
-from grpo_accel.stepper import MixedPrecisionOptimizationStepper
-from grpo_accel.trainer_args import accelerator_for, check_arguments
+from grpo_accel.trainer.args import accelerator_for, check_arguments, replay_buffer_for
+from grpo_accel.trainer.buffer import ReplayBuffer
+from grpo_accel.trainer.checkpointer import TrainerFiles
+from grpo_accel.trainer.hooks import Hooks
+from grpo_accel.trainer.stepper import MixedPrecisionOptimizationStepper
 
 logger = logging.getLogger(__name__)
+COUNTERS = ("frames", "optim_steps", "iterations", "weight_version", "dropped_batches")  # saved in checkpoints
 
 
 class GRPOTrainer:
@@ -88,11 +89,7 @@ class GRPOTrainer:
         self.weight_update_frequency = weight_update_frequency
         self.empty_replay_buffer_on_weight_update = empty_replay_buffer_on_weight_update
         self.layout, self.gradient_accumulation_steps = collector.layout, gradient_accumulation_steps
-        micro_batch = batch_size or (replay_buffer.batch_size if replay_buffer is not None
-                                     else self.layout.auto_micro_batch(gradient_accumulation_steps))
-        self.replay_buffer = replay_buffer or ReplayBuffer(micro_batch, seed=seed)
-        self.replay_buffer.batch_size = micro_batch
-        self.layout.check_steps(micro_batch, gradient_accumulation_steps, optim_steps_per_batch)
+        self.replay_buffer = replay_buffer_for(args, self.layout)
         self.logger, self.async_collection, self.max_staleness = as_logger(logger), async_collection, max_staleness
         settings = ReportSettings(**{f.name: args[f.name] for f in dataclasses.fields(ReportSettings)  # same names
                                      if f.name in args}, kl_outputs=loss_module.kl_outputs)
@@ -124,7 +121,7 @@ class GRPOTrainer:
         return self.reporter.history
 
     def register_op(self, stage: str, op: Callable, name: str | None = None) -> str:
-        """Run ``op(trainer, ...)`` at ``stage`` (see :mod:`grpo_accel.hooks`); returns the hook's name."""
+        """Run ``op(trainer, ...)`` at ``stage`` (see :mod:`grpo_accel.trainer.hooks`); returns the hook's name."""
         return self.hooks.register(stage, op, name)
 
     def train(self) -> None:
@@ -142,11 +139,7 @@ class GRPOTrainer:
                 self.weight_sync_sender.push(self.weight_version)
         self.hooks.run("pre_train", self)
         self.reporter.start_progress(self.total_frames, self.frames)
-        source = self.collector
-        if self.async_collection:
-            from grpo_accel.rollout.background import BackgroundCollector
-
-            source = BackgroundCollector(self.collector)
+        source = BackgroundCollector(self.collector) if self.async_collection else self.collector
         try:
             with stop_on_signals(self.request_stop):
                 for rollout in source:
@@ -189,14 +182,13 @@ class GRPOTrainer:
 
     def state_dict(self) -> dict:
         """This process's trainer state: counters, replay buffer, collector position, stepper (scaler)."""
-        return {"frames": self.frames, "optim_steps": self.optim_steps, "iterations": self.iterations,
-                "weight_version": self.weight_version, "dropped_batches": self.dropped_batches,
-                "last_log_frames": float(self.reporter.last_log_frames), "collector": self.collector.state_dict(),
-                "replay_buffer": self.replay_buffer.state_dict(), "stepper": self.stepper.state_dict()}
+        return {**{name: getattr(self, name) for name in COUNTERS}, "last_log_frames": float(self.reporter.last_log_frames),
+                "collector": self.collector.state_dict(), "replay_buffer": self.replay_buffer.state_dict(),
+                "stepper": self.stepper.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.frames, self.optim_steps, self.iterations = state["frames"], state["optim_steps"], state["iterations"]
-        self.weight_version, self.dropped_batches = state["weight_version"], state["dropped_batches"]
+        for name in COUNTERS:
+            setattr(self, name, state[name])
         self.reporter.last_log_frames = state["last_log_frames"]
         self.collector.load_state_dict(state["collector"])
         self.replay_buffer.load_state_dict(state["replay_buffer"])
@@ -244,8 +236,7 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def _store_rollout(self, rollout: TensorDict) -> None:
-        """Add pi_old and reference logprobs (in micro-batch chunks, as the training forward computes them) and
-        put the rollout in the replay buffer."""
+        """pi_old and reference logprobs (in micro-batches, as the training forward), then the replay buffer."""
         if rollout.numel() == 0:
             return
         loss = self.unwrapped_loss
@@ -298,14 +289,9 @@ class GRPOTrainer:
                 steps += 1
         return {key: value / steps for key, value in sums.items()}
 
-    def _step_normalizer(self, micro_batches: list[TensorDict]) -> torch.Tensor:
-        """The loss divisor of this optimizer step: its units over all processes (one all-reduce)."""
-        units = sum(self.unwrapped_loss.units(mb.to(self.device)) for mb in micro_batches)
-        total = self.accelerator.reduce(units.reshape(1).float().to(self.device), reduction="sum")[0]
-        return distributed_normalizer(total, self.accelerator.num_processes, self.gradient_accumulation_steps)
-
     def _optimizer_step(self, micro_batches: list[TensorDict]) -> dict[str, float]:
-        normalizer = self._step_normalizer(micro_batches)
+        normalizer = step_normalizer(self.unwrapped_loss, micro_batches, self.accelerator,
+                                     self.gradient_accumulation_steps, self.device)  # the step's loss divisor
         stats: dict[str, float] = defaultdict(float)
         share = 1.0 / len(micro_batches)  # loss_* are shares of the step's objective over ga; diagnostics means
         for mb in micro_batches:

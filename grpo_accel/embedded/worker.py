@@ -16,15 +16,15 @@ import traceback
 import torch
 from torch import Tensor, nn
 
-from grpo_accel.rollout.decode import Decoder, DecodeSettings
+from grpo_accel.embedded.decode import Decoder, DecodeSettings
 
 
 class DecodeWorker:
-    """Runs a :class:`~grpo_accel.rollout.decode.Decoder` of ``model`` in a spawned process; called like one.
+    """Runs a :class:`~grpo_accel.embedded.decode.Decoder` of ``model`` in a spawned process; called like one.
 
     Args:
         model: a module whose parameters stay in place (an engine's own copy, updated with ``copy_``).
-        compiled: the worker's decoder compiles the forward (see :class:`~grpo_accel.rollout.decode.Decoder`).
+        compiled: the worker's decoder compiles the forward (see :class:`~grpo_accel.embedded.decode.Decoder`).
         threads: torch threads in the worker.
     """
 
@@ -40,15 +40,15 @@ class DecodeWorker:
         child.close()
 
     def __call__(self, prompt_ids: Tensor, prompt_mask: Tensor, group_size: int, keys: Tensor | None,
-                 settings: DecodeSettings, **rows_and_suffix: Tensor) -> tuple[Tensor, Tensor]:
-        """As :meth:`Decoder.__call__ <grpo_accel.rollout.decode.Decoder.__call__>`, in the worker (CPU tensors)."""
+                 settings: DecodeSettings, **continuation: Tensor) -> tuple[Tensor, Tensor]:
+        """As :meth:`Decoder.__call__ <grpo_accel.embedded.decode.Decoder.__call__>`, in the worker (CPU tensors)."""
         unshared = [name for name, p in self.model.named_parameters() if not p.is_shared()]
         if unshared:  # a parameter was replaced, not updated in place: the worker would sample from old weights
             raise RuntimeError(f"decode worker: parameters {unshared[:3]} are no longer in shared memory (replaced "
                                "rather than updated in place); the worker cannot see them. Update the engine's "
                                "weights with copy_ (EmbeddedWeightSync does).")
         request = (prompt_ids.numpy(), prompt_mask.numpy(), group_size, None if keys is None else keys.numpy(), settings,
-                   {name: t.numpy() for name, t in rows_and_suffix.items()})
+                   {name: t.numpy() for name, t in continuation.items()})
         try:
             self._conn.send(request)
             status, *answer = self._conn.recv()
