@@ -208,6 +208,12 @@ def _generation_items(engine, prompts: list[list[int]], group: int) -> list[Item
                 wrapped = median_time(generate, reps=3)
             items.append(Item("decode loop's lean forward", wrapped, lean, "s",
                               "the model's forward / its modules called without transformers' wrappers (same tokens)"))
+        if engine.decoder.packed is not None:  # float32 on CPU past PACK_MIN_BYTES of matrices
+            packed = median_time(generate, reps=3)
+            with _settings(engine.decoder, packed=None):
+                linear = median_time(generate, reps=3)
+            items.append(Item("decode loop's packed weights", linear, packed, "s",
+                              "nn.Linear's MKL products / oneDNN on weights packed at each call (reorder included)"))
         with _settings(engine.decoder, no_grad=torch.no_grad):
             grad_mode = median_time(generate, reps=3)
         items.append(Item("decode loop in inference mode", grad_mode, median_time(generate, reps=3), "s",

@@ -18,7 +18,8 @@ ITEMS = {"old logprobs from the rollout", "no reference pass at kl_coef=0", "mic
          "padding-free packed training", "chunked logprobs: peak memory", "chunked logprobs: time",
          "generation batched over prompts x group", "decode loop (rollout.decoder=fast)",
          "episodes' later turns: prompt prefilled once", "generation stops when all finished",
-         "torch threads from the cores", "decode loop in inference mode", "fused AdamW step", "decode loop's lean forward"}
+         "torch threads from the cores", "decode loop in inference mode", "fused AdamW step", "decode loop's lean forward",
+         "decode loop's packed weights"}
 
 
 def check_result(result: dict, processes: int) -> None:
@@ -37,7 +38,8 @@ def bench(capsys, tmp_path, *args) -> tuple[dict, str]:
     return json.loads(out.read_text()), capsys.readouterr().out
 
 
-def test_benchmark_reports_phases_mfu_overhead_and_speed_items(tmp_path, capsys):
+def test_benchmark_reports_phases_mfu_overhead_and_speed_items(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("grpo_accel.embedded.packed.PACK_MIN_BYTES", 0)  # the 1m model packed too: its row is shown
     result, printed = bench(capsys, tmp_path, *SMALL, "--items")
     check_result(result, processes=1)
     assert 1e6 < result["parameters"] < 2e6  # the 1m built-in size
