@@ -37,6 +37,20 @@ def test_group_advantages_by_hand():
     torch.testing.assert_close(loo, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0, 0, 0, 0]))
 
 
+def test_one_group_statistic_two_documented_choices():
+    """advantages.standardised serves both callers: the advantage with the sample std (torchrl's, TRL's), a
+    reward's normalize with the population std."""
+    from grpo_accel.advantages import standardised
+    from grpo_accel.rewards import standardise
+
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])  # mean 0.5; sample std 0.57735, population std 0.5
+    torch.testing.assert_close(standardise(rewards, "group", 4), torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(group_advantages(rewards, 4), standardised(rewards.view(1, 4), torch.tensor([[0.5]]),
+                                                                          sample_std=True, eps=1e-4).view(-1))
+    assert float(group_advantages(rewards, 4)[0]) == pytest.approx(0.5 / (0.57735 + 1e-4), abs=1e-4)
+    assert standardise(torch.tensor([3.0]), "batch").tolist() == [0.0]  # one row: the population std is defined
+
+
 def test_clipped_surrogate_by_hand():
     log_ratio = torch.tensor([[0.5, 1.0, 1.5], [0.5, 1.0, 1.5]]).log()
     adv = torch.tensor([1.0, -1.0])
