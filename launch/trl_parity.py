@@ -75,18 +75,23 @@ def tiny_model_folder(folder: str | Path) -> Path:
     return Path(folder)
 
 
+def readme_command(model: str | Path, out: Path, batches: int, *overrides: str) -> list[str]:
+    """The README's command on the work, ``batches`` iterations long, writing to ``out``."""
+    return [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+            str(ROOT / "accelerate_configs" / "single_process.yaml"), str(ROOT / "launch" / "train.py"),
+            f"model.name_or_path={model}", "data.max_operand=49",
+            f"rollout.prompts_per_batch={WORK['prompts']}", f"rollout.group_size={WORK['group']}",
+            f"rollout.max_new_tokens={WORK['max_new_tokens']}", f"loss.kl_coef={WORK['kl_coef']}",
+            f"optim.lr={WORK['lr']}", f"trainer.total_frames={batches * WORK['prompts'] * WORK['group']}",
+            f"output_dir={out}", *overrides]
+
+
 def command_side(steps: int, warmup: int, env: dict, model: str | None) -> dict:
     """The README's command on the work: its median step from the wall times of its TensorBoard events."""
     with tempfile.TemporaryDirectory() as folder:
         model, out = model or tiny_model_folder(Path(folder) / "model"), Path(folder) / "run"
-        frames = (warmup + steps + 1) * WORK["prompts"] * WORK["group"]
-        subprocess.run([str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
-                        str(ROOT / "accelerate_configs" / "single_process.yaml"), str(ROOT / "launch" / "train.py"),
-                        f"model.name_or_path={model}", "data.max_operand=49",
-                        f"rollout.prompts_per_batch={WORK['prompts']}", f"rollout.group_size={WORK['group']}",
-                        f"rollout.max_new_tokens={WORK['max_new_tokens']}", f"loss.kl_coef={WORK['kl_coef']}",
-                        f"optim.lr={WORK['lr']}", f"trainer.total_frames={frames}", f"output_dir={out}"],
-                       env=env, capture_output=True, check=True, cwd=ROOT)
+        subprocess.run(readme_command(model, out, warmup + steps + 1), env=env, capture_output=True, check=True,
+                       cwd=ROOT)
         return {"step_s": statistics.median(step_gaps(out / "tensorboard", warmup))}
 
 

@@ -4,7 +4,7 @@
         [--admin-api-key KEY] [--deterministic] [--dp-size N] [--enable-dp-attention] [--pp-size N]
         [--tp-size N] [--enable-memory-saver] [--enable-weights-cpu-backup] [--context-length N]
         [--max-total-tokens N] [--max-running-requests N] [--schedule-conservativeness F] [--random-seed N]
-        [--decode-delay S] [--startup-delay S] [--host ADDR]
+        [--decode-delay S] [--kv-cache] [--startup-delay S] [--host ADDR]
 
 A real SGLang server needs a GPU; this one serves a transformers model on CPU and takes from SGLang's source
 (tests/sglang_source.py) everything that decides whether the trainer and a real server agree:
@@ -98,6 +98,7 @@ class Server(Scheduling, WeightUpdates):
         self.unhang = threading.Event()
         self.unhold = threading.Event()
         self.all_ranks: list = []
+        self.weight_epoch = 0  # bumped whenever the weights may change: --kv-cache's cache is then computed again
         self.reset(args)
         self._all_ranks_from(model)
         # The server's own default group (its tensor-parallel group; one rank here): SGLang's WeightUpdater
@@ -137,7 +138,7 @@ class Server(Scheduling, WeightUpdates):
             rank.send("reset")
             rank.reply()
         self.context_len = args.context_length or self.max_position_embeddings
-        self.weight_version, self.loads = "default", 0
+        self.weight_version, self.loads, self.weight_epoch = "default", 0, self.weight_epoch + 1
         self.is_pause = self.engine_paused = False  # the tokenizer manager's and the scheduler's
         self.generating = 0  # /generate calls holding the reader lock
         self._next_rank = 0  # the data-parallel controller's round robin
@@ -374,6 +375,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tp-size", type=int, default=1, help="ranks 2..N are processes of their own")
     parser.add_argument("--context-length", type=int, help="default: the model's max_position_embeddings")
     parser.add_argument("--decode-delay", type=float, default=0.0, help="seconds per decode step at least")
+    parser.add_argument("--kv-cache", action="store_true", help="decode on a KV cache (standin_kv.py)")
     parser.add_argument("--max-total-tokens", type=int, default=16384, help="each dp rank's KV pool, in tokens")
     parser.add_argument("--max-running-requests", type=int, help="default: half the pool, at most 2048-4096")
     parser.add_argument("--schedule-conservativeness", type=float, default=1.0)
@@ -381,7 +383,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--random-seed", type=int)
     parser.add_argument("--startup-delay", type=float, default=0.0)
     parser.add_argument("--host", default="127.0.0.1")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.kv_cache and args.deterministic:
+        parser.error("--kv-cache batches requests, which float32 does not keep batch-invariant: drop --deterministic")
+    return args
 
 
 def main() -> None:

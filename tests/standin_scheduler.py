@@ -37,6 +37,8 @@ import os
 import threading
 import time
 
+from standin_kv import RunningBatch
+
 CLIP_MAX_NEW_TOKENS = 4096  # srt/managers/schedule_policy.py (SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION)
 INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO_FACTOR, NEW_TOKEN_RATIO_DECAY_STEPS = 0.7, 0.14, 600  # srt/environ.py
 RETRACT_DECODE_STEPS = 20  # srt/environ.py SGLANG_RETRACT_DECODE_STEPS
@@ -106,6 +108,7 @@ class DPRank:
     def __init__(self, server, index: int, model) -> None:
         self.server, self.index, self.model = server, index, model
         self.step_lock = threading.Lock()
+        self.kv = RunningBatch()  # --kv-cache
         self.reset()
         threading.Thread(target=self._loop, name=f"scheduler-dp{index}", daemon=True).start()
 
@@ -147,8 +150,12 @@ class DPRank:
                     continue
                 if s.released & {"kv_cache", "weights"}:
                     die(f"a batch was scheduled with {sorted(s.released)} released (illegal memory access)")
-                for req in batch:
-                    s.forward(self.model, req)
+                if s.args.kv_cache:
+                    for req, logits in zip(batch, self.kv.logits(self.model, batch, s.weight_epoch)):
+                        s.take(req, logits)
+                else:
+                    for req in batch:
+                        s.forward(self.model, req)
                 time.sleep(max(0.0, s.args.decode_delay - (time.monotonic() - began)))
                 with s.lock:
                     if prefill:

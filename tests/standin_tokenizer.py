@@ -131,10 +131,13 @@ class Scheduling:
     @torch.no_grad()
     def forward(self, model, req: Req) -> None:
         """One token of ``req`` (a full forward: the KV cache is not kept), then ``check_finished``."""
+        self.take(req, model(torch.tensor([req.prompt + req.output_ids])).logits[0].float())
+
+    def take(self, req: Req, logits: torch.Tensor) -> None:  # [len(ids), V], or [1, V] once it has output
+        """``req``'s next token from its logits (its input logprobs too, at its first), then ``check_finished``."""
         p = req.params
         temperature, top_k, top_p = p.get("temperature", 1.0), p.get("top_k", -1), p.get("top_p", 1.0)
         ids = req.prompt + req.output_ids
-        logits = model(torch.tensor([ids])).logits[0].float()  # [len(ids), V]
         if not req.output_ids and req.start_len is not None and req.start_len >= 0 and req.input_logprobs is None:
             lp = torch.log_softmax(logits[:-1] / (temperature if temperature >= 1e-6 else 1.0), -1)
             values = lp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()

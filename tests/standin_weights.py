@@ -210,6 +210,7 @@ class WeightUpdates:
             return
         tags = set(tags or ["kv_cache", "weights", "cuda_graph"])  # GPU_MEMORY_ALL_TYPES, srt/constants.py
         with self.between_steps(), self.lock:
+            self.weight_epoch += "weights" in tags
             if release:
                 if not self.idle():
                     die(f"AssertionError: {self.source.release_idle_message}")
@@ -248,6 +249,7 @@ class WeightUpdates:
         if "weights" in self.released:
             die("loading weights into released memory (illegal memory access)")
         with self.between_steps():
+            self.weight_epoch += 1  # a running batch's cache was computed with the weights before
             for index, rank in enumerate(self.dp_ranks):
                 params = dict(rank.model.named_parameters())
                 for name, t in state.items():

@@ -133,3 +133,45 @@ def test_the_trl_comparison_reads_a_runs_steps_from_its_event_files(tmp_path, mo
     logger.close()
     gaps = step_gaps(tmp_path, warmup=1)
     assert len(gaps) == 3 and all(0.1 * k <= g < 0.1 * k + 0.5 for k, g in zip((2, 3, 4), gaps)), gaps  # after warmup
+
+
+def test_the_overlap_table_reads_each_batch_from_its_event_files(tmp_path, monkeypatch):
+    """launch/overlap.py: a step is the gap between two iterations' logs, training is the iteration less its
+    push, the overlap is the median of step / max(generation, training), the push's share the median of push /
+    step; the warmup's batches are left out."""
+    import time
+
+    from grpo_accel.reporting.tracking import TensorBoardLogger
+
+    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    from overlap import batch_times, summary
+
+    logger = TensorBoardLogger(tmp_path)
+    logged = [(0.5, 0.05, 0.1, 0.02), (0.2, 0.10, 0.2, 0.05), (0.3, 0.30, 0.1, 0.05), (0.25, 0.1, 0.15, 0.0)]
+    for step, (wait, generate, iteration, push) in enumerate(logged, start=1):
+        time.sleep(wait)
+        logger.log_scalars({"time/generate": generate, "time/iteration": iteration, "time/weight_sync": push}, step)
+    logger.close()
+    times = batch_times(tmp_path, warmup=1)
+    assert times["generate"] == pytest.approx([0.3, 0.1], abs=1e-6) and times["push"] == pytest.approx([0.05, 0.0])
+    assert times["train"] == pytest.approx([0.05, 0.15], abs=1e-6)  # the iteration less its push
+    assert all(w <= g < w + 0.3 for w, g in zip((0.3, 0.25), times["step"])), times["step"]  # gaps after the warmup
+    s = summary(times)
+    steps = times["step"]
+    assert s["overlap"] == pytest.approx((steps[0] / 0.3 + steps[1] / 0.15) / 2, rel=1e-5)
+    assert s["push_share"] == pytest.approx((0.05 / steps[0] + 0.0) / 2, rel=1e-5) and s["batches"] == 2
+
+
+def test_the_overlap_measurement_runs_each_mode_and_transport(tmp_path):
+    """launch/overlap.py end to end, small: the README's command against a fresh --kv-cache stand-in, synchronous
+    and asynchronous, pushing over a gloo group and through the disk; every batch pushed weights."""
+    out = tmp_path / "overlap.json"
+    run = subprocess.run([sys.executable, str(ROOT / "launch" / "overlap.py"), "--steps", "2", "--warmup", "1",
+                          "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert set(results) == {"sync, distributed", "async, distributed", "sync, disk", "async, disk"}
+    for name, r in results.items():
+        assert r["batches"] == 2 and min(r["per_batch"]["push"]) > 0, name
+        assert r["generate_s"] > 0 and r["train_s"] > 0 and 0 < r["push_share"] < 1, name
+        assert name in run.stdout, run.stdout  # the printed table has a row for each run

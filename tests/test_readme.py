@@ -29,6 +29,8 @@ ELSEWHERE = {  # how a command starts -> why it does not run in this suite, and 
     "PYTHONPATH=. .venv/bin/python launch/trl_parity.py": "needs TRL in an environment of its own (not a "
         "dependency); its grpo_accel half is the README's training command (run here) and bench --loop (run small "
         "in tests/test_bench.py, which also reads step times from event files as it does)",
+    "PYTHONPATH=. .venv/bin/python launch/overlap.py": "4 runs of the README's command against stand-ins (minutes "
+        "at 135M); tests/test_bench.py runs it small and checks its arithmetic on event files of known times",
     "bash launch/gpu_check.sh": "needs a GPU; tests/test_bench.py checks that it refuses without one",
     ".venv/bin/python -m grpo_accel.models smollm2-135m": "downloads 93 MB; tests/conftest.py's smollm2 fixture "
         "runs the same conversion once per machine",

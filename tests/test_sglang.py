@@ -174,6 +174,25 @@ def test_a_refused_update_gets_a_new_group_and_everything_is_pushed_again(accele
     assert paths.count("/get_weights_by_name") == 1 + 6, "asked once if it works, then 2 parameters after 3 pushes"
 
 
+def test_the_check_reads_the_smallest_trained_weights(accelerator, model_dir, servers):
+    """A server lists a whole parameter to answer /get_weights_by_name (SGLang's llama.py ``get_weights_by_name``:
+    ``.numpy().tolist()[:truncate_size]``; SmolLM2's embedding took seconds), so a push checks the smallest
+    weights that training changes: a frozen one is never read, nor the embedding; a vector is compared whole."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.model.norm.weight.requires_grad_(False)
+    url = servers.get(model_dir, "--deterministic")
+    sender = distributed_sender(accelerator, model, url)
+    sender.update_weights()
+    asked = [body for path, body in server_state(url)["requests"] if path == "/get_weights_by_name"]
+    sizes = {name: p.numel() for name, p in model.named_parameters() if p.requires_grad}
+    assert len(asked) == 1 + 2 and {b["name"] for b in asked} <= {n for n, size in sizes.items() if size == min(sizes.values())}
+    assert all(b["truncate_size"] == sizes[b["name"]] for b in asked[1:])  # vectors: every element compared
+    assert model.model.norm.weight.numel() == min(sizes.values())  # the frozen one would have been a candidate
+    sender.close()
+
+
 def test_verification_catches_a_server_that_did_not_load(accelerator, model_dir, qwen_dir, servers, caplog):
     """A server that answers success without holding the pushed weights: by /get_weights_by_name (Llama), and
     by the probe logprobs for a model that does not implement it (Qwen2), said once."""

@@ -46,17 +46,19 @@ def generated(url: str) -> int:
 # ------------------------------------------------------------------------------------------ partial rollouts
 
 
-@pytest.mark.parametrize("mode, version", [("retract", NEWEST), ("abort", NEWEST), ("abort", VERSIONS[0])])
+@pytest.mark.parametrize("mode, version, pace", [("retract", NEWEST, "--deterministic"), ("abort", NEWEST, "--deterministic"),
+                                                 ("abort", VERSIONS[0], "--deterministic"), ("retract", NEWEST, "--kv-cache")])
 def test_pushes_during_generation_lose_no_token_and_each_token_keeps_its_weights_logprob(
-        accelerator, model_dir, servers, tokenizer, mode, version):
+        accelerator, model_dir, servers, tokenizer, mode, version, pace):
     """Three pushes land while 16 completions are generated in 4 requests. Every token the server drew is in the
     rollout (retract: the server keeps them; abort: they come back cut short and are continued); a row records
     the oldest and newest weights of its tokens, and every token's logprob is that of one of those versions. 0.5.23
     says which version drew each token (meta_info.weight_versions), so the engine reads /model_info only before
-    its first request; 0.5.9 before each."""
+    its first request; 0.5.9 before each. With --kv-cache (launch/overlap.py's stand-in: the running batch decodes
+    on a cache, rows leave it as they finish, a retracted row is computed again) the same holds."""
     from transformers import AutoModelForCausalLM
 
-    url = servers.get(model_dir, "--deterministic", "--decode-delay", "0.08", version=version)
+    url = servers.get(model_dir, pace, "--decode-delay", "0.08", version=version)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     sender = distributed_sender(accelerator, model, [url], pause_mode=mode)
     engine = SGLangEngine([url], tokenizer, max_new_tokens=16, request_size=4)

@@ -170,7 +170,7 @@ def test_dp2_servers_are_checked_rank_by_rank_after_distributed_and_disk_pushes(
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1)
-    with pytest.raises(WeightSyncError, match=r"\(dp rank 1\): model.embed_tokens.weight differs from the trainer's"):
+    with pytest.raises(WeightSyncError, match=r"\(dp rank 1\): model\.\S+ differs from the trainer's"):
         sender.update_weights()
     sender.close()
 

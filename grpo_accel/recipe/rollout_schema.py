@@ -169,8 +169,9 @@ class WeightSyncConfig:
     admin_api_key: str | None = None
     """The servers' --admin-api-key: weight, pause and session endpoints need it when a server has one."""
     verify_tensors: int = 2
-    """After each update, compare this many parameters with /get_weights_by_name, or where the served model does
-    not implement it, a 32-token logprob probe and the reported weight version (0: no check)."""
+    """After each update, compare this many parameters (the smallest trained ones: a server lists a whole
+    parameter to answer) with /get_weights_by_name, or where the served model does not implement it, a 32-token
+    logprob probe and the reported weight version (0: no check)."""
     max_attempts: int = 2
     """Full pushes tried before stopping with an error and a checkpoint."""
     timeout_s: float = 600.0
