@@ -64,7 +64,9 @@ def test_zero3_grpo_run_keeps_the_server_weights_equal_to_the_trainer(tmp_path, 
     versions = [v for _, v in read_scalars(out / "tensorboard")["train/weight_version_mean"]]
     assert versions == [0.0, 1.0, 2.0], "each batch was generated with the weights pushed after the previous one"
     checked = [body["name"] for path, body in state["requests"] if path == "/get_weights_by_name"]
-    assert checked[1:3] == ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"]
+    smallest_trained = (["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"] if lora
+                        else ["model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight"])
+    assert checked[1:3] == smallest_trained  # a LoRA run's merged targets, else the first layer's norms
     assert len(checked) == 1 + 6, "asked once if it works; ZeRO-3 shards gathered and checked after every push"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["zero_stage"] == 3 and 0 < summary["weight_sync_peak_extra_bytes"] <= 2 * 0.05 * 2**20
