@@ -6,6 +6,8 @@ reason: autograd would otherwise keep every chunk's float32 copy alive until bac
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -84,19 +86,21 @@ def sequence_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     packed: bool = False,
+    forward: Callable | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:  # [N, C] (zero on padding), and entropy [N, C]
     """Teacher-forced logprobs of the completion tokens; only positions predicting them reach the LM head.
 
-    ``packed`` computes the same values on real tokens only (padding-free, see ``_packed_forward``); check a
-    model with ``GRPOLoss(packing=True)``, which compares the two paths on first use.
+    ``packed`` computes the same values on real tokens only (padding-free, see ``packed_forward``); check a
+    model with ``GRPOLoss(packing=True)``, which compares the two paths on first use. ``forward`` is another
+    path with ``padded_forward``'s contract (``logprob_paths.shared_forward``: each distinct prompt run once).
     """
-    forward = _packed_forward if packed else _padded_forward
+    forward = forward or (packed_forward if packed else padded_forward)
     logits, targets, unpack = forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     res = selected_logprobs(logits, targets, temperature, with_entropy)
     return tuple(unpack(r) for r in res) if with_entropy else unpack(res)
 
 
-def _padded_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+def padded_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
     """-> logits [N, C, V], targets [N, C], unpack: [N, C] -> [N, C] zero on padding."""
     ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P+C]
     mask = torch.cat([prompt_mask, completion_mask], dim=1)
@@ -109,7 +113,7 @@ def _padded_forward(model, prompt_ids, prompt_mask, completion_ids, completion_m
     return out.logits[:, :-1], completion_ids, lambda values: values * keep
 
 
-def _packed_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+def packed_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
     """-> logits [1, M, V], targets [1, M] over the M real completion tokens, unpack: [1, M] -> [N, C].
 
     Rows are packed whole into bins of twice the longest row (first-fit decreasing), with position ids

@@ -8,7 +8,6 @@ into the objective by the trainer; every other key is a detached diagnostic.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -18,10 +17,9 @@ from torch import Tensor, nn
 
 from grpo_accel import batch
 from grpo_accel.contracts import LossModule
-from grpo_accel.logprobs import sequence_logprobs
+from grpo_accel.logprob_paths import LogprobPaths
 from grpo_accel.rules import check, check_choice, require
 
-logger = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------------------------------ importance ratio
 
@@ -204,6 +202,10 @@ class GRPOLoss(LossModule):
         packing: padding-free logprobs (rows packed with per-row position ids, see
             ``logprobs.sequence_logprobs``). On first use with each model the packed logprobs are compared to the
             padded ones, and a model that does not keep packed rows apart is refused with an error.
+        shared_prompts: run a group's prompt once for several of its completions (one row per prompt and k of
+            its completions under a 4-D mask, k chosen per micro-batch by cost, see ``logprob_paths``). On first
+            use with each model the shared logprobs are compared to the padded ones; a model that differs,
+            fails, or takes no 4-D mask of full attention runs padded. Ignored with ``packing``.
 
     Example:
         >>> loss_fn = GRPOLoss(policy, clip_epsilon=(0.2, 0.28))
@@ -228,6 +230,7 @@ class GRPOLoss(LossModule):
         tis_cap: float | None = None,
         temperature: float = 1.0,
         packing: bool = False,
+        shared_prompts: bool = True,
     ) -> None:
         eps_low, eps_high = clip_epsilon if isinstance(clip_epsilon, (tuple, list)) else (clip_epsilon,) * 2
         check("clip_epsilon", "clip_epsilon", min(eps_low, eps_high), owner="GRPOLoss: ")
@@ -253,44 +256,15 @@ class GRPOLoss(LossModule):
         self.aggregation, self.max_completion_tokens = aggregation, max_completion_tokens
         self.importance_level, self.tis_cap, self.temperature = importance_level, tis_cap, float(temperature)
         self.packing = bool(packing)
-        self._packing_checked: set[int] = set()  # id() of the models whose packed logprobs matched
+        self.shared_prompts = bool(shared_prompts) and not self.packing
+        self._paths = LogprobPaths(self.temperature, packing=self.packing, shared_prompts=self.shared_prompts)
 
     # -- pieces the trainer calls outside forward -------------------------------------------------------
 
     def logprobs(self, model: nn.Module, td: TensorDict, with_entropy: bool = False):
         """Per-token logprobs [N, T] of ``td``'s completion tokens under ``model`` (and entropy if asked)."""
         inputs = (model, td[batch.PROMPT_IDS], td[batch.PROMPT_MASK], td[batch.COMPLETION_IDS], td[batch.COMPLETION_MASK])
-        if self.packing and id(model) not in self._packing_checked:
-            self._check_packing(inputs)
-        return sequence_logprobs(*inputs, temperature=self.temperature, with_entropy=with_entropy, packed=self.packing)
-
-    @torch.no_grad()
-    def _check_packing(self, inputs: tuple) -> None:
-        """Refuse packing for a model whose packed logprobs differ from its padded ones on this micro-batch.
-
-        Compared without autocast, so float32 weights agree to float32 rounding (measured <= 7e-7 on the 10m
-        benchmark model); half-precision weights agreed to 6e-3 there, against a 0.1 bound. A model that
-        lets packed rows see each other is off by far more on a trained model.
-        """
-        model, mask = inputs[0], inputs[4].bool()
-        if not mask.any():
-            return  # nothing to compare: check on the next micro-batch
-        with torch.autocast(mask.device.type, enabled=False):
-            padded = sequence_logprobs(*inputs, temperature=self.temperature)
-            try:
-                packed = sequence_logprobs(*inputs, temperature=self.temperature, packed=True)
-            except Exception as err:  # e.g. a model without position_ids / tensor logits_to_keep
-                raise ValueError(f"GRPOLoss: packing=True is invalid for {type(model).__name__}: its packed forward "
-                                 f"failed ({err}); set packing=False.") from err
-        gap = float((padded - packed)[mask].abs().max())
-        full_precision = next(model.parameters()).dtype in (torch.float32, torch.float64)
-        if gap > (1e-3 if full_precision else 0.1):
-            raise ValueError(f"GRPOLoss: packing=True is invalid for {type(model).__name__}: packed logprobs differ "
-                             f"from padded ones by up to {gap:.3g}, so its attention does not keep packed rows "
-                             "apart (transformers >= 4.53 models do, from position ids); set packing=False.")
-        self._packing_checked.add(id(model))
-        logger.info("padding-free packing checked for %s: packed logprobs within %.2g of padded ones",
-                    type(model).__name__, gap)
+        return self._paths(inputs, with_entropy)
 
     @torch.no_grad()
     def add_old_logprobs(self, td: TensorDict) -> None:

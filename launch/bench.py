@@ -82,12 +82,13 @@ class BareLoop:
             self.model = self.engine
 
     def step(self, micro_batches, temperature: float = 1.0) -> None:
+        from grpo_accel.logprob_paths import shared_forward
         from grpo_accel.logprobs import sequence_logprobs
 
         for mb in micro_batches:
             mask = mb[batch.COMPLETION_MASK].float()
             logp = sequence_logprobs(self.model, mb[batch.PROMPT_IDS], mb[batch.PROMPT_MASK], mb[batch.COMPLETION_IDS],
-                                     mb[batch.COMPLETION_MASK], temperature)
+                                     mb[batch.COMPLETION_MASK], temperature, forward=shared_forward)
             loss = -(logp * mb[batch.ADVANTAGES][:, None] * mask).sum() / mask.sum()
             if self.engine is not None:  # DeepSpeed clips (gradient_clipping) inside its step
                 self.engine.backward(loss)

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from grpo_accel import batch
+from grpo_accel.attention import additive_dtype, mask_reason, model_mask
 from grpo_accel.distributed import zero3_collective, zero3_partitioned
 from grpo_accel.logprobs import position_ids_from_mask
 from grpo_accel.embedded.lean import LeanForward, lean_reason
@@ -37,7 +38,6 @@ from grpo_accel.rollout.sampling import KeyedSampler, keyed_uniform
 
 DECODERS = ("auto", "fast", "compiled", "generate")
 """The embedded engine's decode paths (``EmbeddedEngine(decoder=...)``, ``rollout.decoder``)."""
-MASK_FORMATS = {"sdpa": "bool", "eager": "additive"}  # attention implementations this loop builds masks for
 
 
 @dataclass
@@ -55,17 +55,9 @@ class DecodeSettings:
 
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why this loop cannot decode ``model`` (then transformers' ``generate`` does), or None when it can."""
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "is_encoder_decoder", False):
-        return "not a decoder-only transformers model"
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and set(layer_types) != {"full_attention"}:
-        return f"its layers are not all full attention ({sorted(set(layer_types))})"
-    if layer_types is None and getattr(config, "sliding_window", None) is not None:
-        return f"it has a sliding window ({config.sliding_window})"
-    implementation = getattr(config, "_attn_implementation", None)
-    if implementation not in MASK_FORMATS:
-        return f"attention implementation {implementation!r} (this loop builds masks for {sorted(MASK_FORMATS)})"
+    reason = mask_reason(model)
+    if reason is not None:
+        return reason
     try:
         BudgetCache(1, 1)
     except TypeError as exc:  # another transformers release asks more of a cache layer
@@ -151,9 +143,7 @@ class Decoder:
     def __init__(self, model: nn.Module, compiled: bool = False, lean: bool = True) -> None:
         self.model = model
         self.lean = lean and not compiled and not zero3_partitioned() and lean_reason(model) is None
-        implementation = model.config._attn_implementation
-        additive = MASK_FORMATS[implementation] == "additive" and not self.lean
-        self.mask_dtype = next(model.parameters()).dtype if additive else None
+        self.mask_dtype = None if self.lean else additive_dtype(model)
         cache_arg = "cache" if "cache" in inspect.signature(_transformers_model(model).forward).parameters else "past_key_values"
 
         def forward(ids: Tensor, mask: Tensor, positions: Tensor, cache: BudgetCache) -> Tensor:  # -> [B, V]
@@ -264,10 +254,7 @@ class Decoder:
 
     def _mask(self, mask: Tensor) -> Tensor:  # [B, 1, Q, S] bool -> the attention's format
         """A 4-D mask reaches the attention as it is (transformers' mask creation returns it unchanged)."""
-        if self.mask_dtype is None:
-            return mask
-        return torch.zeros(mask.shape, dtype=self.mask_dtype, device=mask.device).masked_fill(
-            ~mask, torch.finfo(self.mask_dtype).min)
+        return model_mask(mask, self.mask_dtype)
 
 
 def _assemble(drawn: list[tuple[Tensor, Tensor, Tensor]], n: int,

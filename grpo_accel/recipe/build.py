@@ -138,7 +138,7 @@ def build_loss(cfg: GRPOConfig, model, reference):
         model, reference, clip_epsilon=(lc.clip_eps_low, lc.clip_eps_high), kl_coef=lc.kl_coef,
         kl_estimator=lc.kl_estimator, aggregation=lc.aggregation, max_completion_tokens=cfg.rollout.max_completion_tokens,
         importance_level=lc.importance_level, tis_cap=lc.tis_cap, temperature=cfg.rollout.temperature,
-        packing=lc.packing,
+        packing=lc.packing, shared_prompts=lc.shared_prompts,
     )
 
 

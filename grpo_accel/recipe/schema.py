@@ -130,6 +130,9 @@ class LossConfig:
     """Baseline = mean of the other G-1 rewards (RLOO) instead of the group mean."""
     packing: bool = False
     """Padding-free training: rows packed with per-row position ids (checked against padded logprobs once)."""
+    shared_prompts: bool = True
+    """Each distinct prompt of a micro-batch runs once and its completions on its keys and values (checked against
+    padded logprobs once; off with packing or gradient checkpointing)."""
 
     def __post_init__(self) -> None:
         check_rules("loss", self, clip_eps_low="clip_epsilon", clip_eps_high="clip_epsilon", kl_coef="kl_coef",
