@@ -130,7 +130,7 @@ def measure_items(model, engine, prompts: list[list[int]], group: int, rollout: 
     del reference, ref_loss
 
     ragged = ragged_batch(model.config.vocab_size, rollout.shape[0], RAGGED_COMPLETION, device)
-    padded_loss, packed_loss = GRPOLoss(model), GRPOLoss(model, packing=True)
+    padded_loss, packed_loss = GRPOLoss(model, shared_prompts=False), GRPOLoss(model, packing=True)
     short = ragged[: max(1, ragged.shape[0] // 2)]  # the shorter half, still padded to the whole batch's width
     items.append(Item("micro-batch trimmed to its longest row",
                       median_time(lambda: _forward_backward(padded_loss, short)),
@@ -141,6 +141,8 @@ def measure_items(model, engine, prompts: list[list[int]], group: int, rollout: 
                       median_time(lambda: _forward_backward(packed_loss, ragged)), "s",
                       f"loss forward+backward, {ragged.shape[0]} completions of {RAGGED_COMPLETION // 4}.."
                       f"{RAGGED_COMPLETION} tokens (4x): padded / packed"))
+
+    items += _shared_prompt_items(model, rollout)
 
     rows = BIG_TOKENS
     logits = torch.randn(1, rows, BIG_VOCAB, device=device, dtype=next(model.parameters()).dtype)
@@ -169,6 +171,25 @@ def measure_items(model, engine, prompts: list[list[int]], group: int, rollout: 
     items.append(_fused_adamw_item(model))
     items += _generation_items(engine, prompts, group)
     items.append(_threads_item(padded_loss, ragged, threads))
+    return items
+
+
+def _shared_prompt_items(model, rollout: TensorDict) -> list[Item]:
+    """The loss's forward+backward on the rollout's groups: every row's prompt / each prompt once per k completions;
+    on the rollout as generated, then with its prompts 8x longer (a chat prompt is tens to hundreds of tokens)."""
+    from grpo_accel.loss import GRPOLoss
+
+    keys = (batch.PROMPT_IDS, batch.PROMPT_MASK, batch.COMPLETION_IDS, batch.COMPLETION_MASK, batch.ADVANTAGES)
+    td = batch.trim_padding(rollout.select(*keys).clone())
+    longer = td.clone()
+    longer[batch.PROMPT_IDS], longer[batch.PROMPT_MASK] = (td[k].repeat(1, 8) for k in keys[:2])
+    padded, shared = GRPOLoss(model, shared_prompts=False), GRPOLoss(model)
+    items = []
+    for name, x in (("the rollout's prompts", td), ("prompts 8x longer", longer)):
+        items.append(Item(f"shared prompts, {name}", median_time(lambda: _forward_backward(padded, x)),
+                          median_time(lambda: _forward_backward(shared, x)), "s",
+                          f"loss forward+backward, {x.shape[0]} completions, {x[batch.PROMPT_IDS].shape[1]}-token "
+                          "prompts: every row's prompt / each prompt once per k of its completions"))
     return items
 
 
