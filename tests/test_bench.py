@@ -3,6 +3,7 @@
 One-process runs call launch/bench.py's ``main`` in this process (a subprocess adds only ~4 s of imports); the
 multi-process run is a real ``accelerate launch``."""
 import json
+import re
 import subprocess
 import sys
 
@@ -19,7 +20,7 @@ ITEMS = {"old logprobs from the rollout", "no reference pass at kl_coef=0", "mic
          "generation batched over prompts x group", "decode loop (rollout.decoder=fast)",
          "episodes' later turns: prompt prefilled once", "generation stops when all finished",
          "torch threads from the cores", "decode loop in inference mode", "fused AdamW step", "decode loop's lean forward",
-         "decode loop's packed weights"}
+         "decode loop's packed weights", "shared prompts, the rollout's prompts", "shared prompts, prompts 8x longer"}
 
 
 def check_result(result: dict, processes: int) -> None:
@@ -48,6 +49,9 @@ def test_benchmark_reports_phases_mfu_overhead_and_speed_items(tmp_path, capsys,
     assert set(items) == ITEMS and all(it["before"] > 0 and it["after"] > 0 for it in items.values())
     memory = items["chunked logprobs: peak memory"]  # memory, unlike time, is not noise: the copy must be gone
     assert memory["unit"] == "MB" and memory["after"] < 0.6 * memory["before"], memory
+    width = [int(re.search(r"(\d+)-token prompts", items[f"shared prompts, {name}"]["how"]).group(1))
+             for name in ("the rollout's prompts", "prompts 8x longer")]
+    assert width[1] == 8 * width[0], width
 
 
 @pytest.fixture(scope="module")
