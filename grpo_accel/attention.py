@@ -1,7 +1,8 @@
 """Attention masks handed to a transformers model in 4-D form, which its mask creation passes on unchanged.
 
 The embedded decode loop and the shared-prompt training forward build their own masks (a row's keys per
-query); this is where a model is checked to take one and where the mask takes the attention's format.
+query); this is where a model is checked to take one and where the mask takes the attention's format, and
+where a wrapped model is unwrapped to read what it takes.
 """
 from __future__ import annotations
 
@@ -26,6 +27,14 @@ def mask_reason(model: nn.Module) -> str | None:
     if implementation not in MASK_FORMATS:
         return f"attention implementation {implementation!r} (4-D masks are built for {sorted(MASK_FORMATS)})"
     return None
+
+
+def transformers_model(model) -> nn.Module:
+    """The transformers model under a LoRA run's ``BasePolicy``, a DeepSpeed or DDP wrapper, a PEFT wrapper (each
+    passes keyword arguments on to it): its config and forward's signature say what it takes."""
+    model = getattr(model, "policy", model)  # lora.BasePolicy
+    model = getattr(model, "module", model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def additive_dtype(model: nn.Module) -> torch.dtype | None:

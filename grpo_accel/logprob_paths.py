@@ -15,9 +15,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from grpo_accel.attention import additive_dtype, mask_reason, model_mask
+from grpo_accel.attention import additive_dtype, mask_reason, model_mask, transformers_model
 from grpo_accel.logprobs import padded_forward, position_ids_from_mask, sequence_logprobs
 
 logger = logging.getLogger(__name__)
@@ -94,13 +94,6 @@ def shared_rows(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
     keep = torch.cat([torch.tensor([p - 1], device=device), torch.arange(p, length, device=device)])  # [1 + per_row W]
     column = torch.cat([torch.zeros(n, 1, dtype=torch.long, device=device), 1 + slot[:, None] * w + steps], 1)
     return SharedRows(ids, mask[:, None], positions, keep, row, column)
-
-
-def transformers_model(model) -> nn.Module:
-    """The transformers model under a LoRA run's ``BasePolicy``, a DeepSpeed or DDP wrapper, a PEFT wrapper."""
-    model = getattr(model, "policy", model)  # lora.BasePolicy
-    model = getattr(model, "module", model)
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def shared_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, per_row: int | None = None):

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from grpo_accel import batch
-from grpo_accel.attention import additive_dtype, mask_reason, model_mask
+from grpo_accel.attention import additive_dtype, mask_reason, model_mask, transformers_model
 from grpo_accel.distributed import zero3_collective, zero3_partitioned
 from grpo_accel.logprobs import position_ids_from_mask
 from grpo_accel.embedded.lean import LeanForward, lean_reason
@@ -144,7 +144,7 @@ class Decoder:
         self.model = model
         self.lean = lean and not compiled and not zero3_partitioned() and lean_reason(model) is None
         self.mask_dtype = None if self.lean else additive_dtype(model)
-        cache_arg = "cache" if "cache" in inspect.signature(_transformers_model(model).forward).parameters else "past_key_values"
+        cache_arg = "cache" if "cache" in inspect.signature(transformers_model(model).forward).parameters else "past_key_values"
 
         def forward(ids: Tensor, mask: Tensor, positions: Tensor, cache: BudgetCache) -> Tensor:  # -> [B, V]
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
@@ -305,8 +305,3 @@ def _prefill_mask(prompt_mask: Tensor) -> Tensor:  # [P, L] -> [P, 1, L, L] bool
     causal = torch.ones(width, width, dtype=torch.bool, device=prompt_mask.device).tril()
     mask = causal[None] & prompt_mask.bool()[:, None, :]  # [P, L, L]
     return (mask | torch.eye(width, dtype=torch.bool, device=prompt_mask.device)[None])[:, None]
-
-
-def _transformers_model(model: nn.Module) -> nn.Module:
-    """The transformers model under a PEFT wrapper (whose own forward passes keyword arguments on)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
