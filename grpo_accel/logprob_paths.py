@@ -3,8 +3,8 @@
 The G completions of a group share their prompt, and the padded forward runs it G times. The shared forward
 lays out one row per distinct prompt: the prompt, then k of its completions one after another, each
 completion seeing the prompt and itself only (a 4-D mask, position ids continuing the prompt), so a prompt
-runs once per k completions, in one forward, as the padded forward's every weight is used once. The price
-is attention over the longer row, so ``completions_per_row`` picks k from a cost count of the two; a batch
+runs once per k completions, in one forward that uses every weight once, as the padded forward does. The
+price is attention over the longer row, so ``completions_per_row`` picks k from a cost count of the two; a batch
 where k = 1 is cheapest (no prompt repeats, or long completions next to short prompts) runs padded.
 """
 from __future__ import annotations
