@@ -256,8 +256,8 @@ class GRPOLoss(LossModule):
         self.aggregation, self.max_completion_tokens = aggregation, max_completion_tokens
         self.importance_level, self.tis_cap, self.temperature = importance_level, tis_cap, float(temperature)
         self.packing = bool(packing)
-        self.shared_prompts = bool(shared_prompts) and not self.packing
-        self._paths = LogprobPaths(self.temperature, packing=self.packing, shared_prompts=self.shared_prompts)
+        self._paths = LogprobPaths(self.temperature, packing=self.packing, shared_prompts=bool(shared_prompts))
+        self.shared_prompts = self._paths.shared_prompts  # off with packing
 
     # -- pieces the trainer calls outside forward -------------------------------------------------------
 

@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 from tensordict import TensorDict
+from transformers import LlamaForCausalLM
 
 from grpo_accel import batch
 from grpo_accel.logprob_paths import completions_per_row, distinct_prompts, shared_forward
@@ -119,7 +120,7 @@ def _rollout(inputs) -> TensorDict:
                        batch.COMPLETION_MASK: inputs[3], batch.ADVANTAGES: torch.linspace(-1, 1, n)}, batch_size=[n])
 
 
-class _IgnoresFourDMasks(type(build_tiny_model(build_char_tokenizer()))):
+class _IgnoresFourDMasks(LlamaForCausalLM):
     """A Llama whose forward drops a 4-D mask: its shared rows would see one another's completions."""
 
     def forward(self, *args, attention_mask=None, **kwargs):

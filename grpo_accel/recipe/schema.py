@@ -131,8 +131,8 @@ class LossConfig:
     packing: bool = False
     """Padding-free training: rows packed with per-row position ids (checked against padded logprobs once)."""
     shared_prompts: bool = True
-    """Each distinct prompt of a micro-batch runs once and its completions on its keys and values (checked against
-    padded logprobs once; off with packing or gradient checkpointing)."""
+    """A group's prompt runs once for several of its completions in training's forwards (one row per prompt and k
+    completions under a 4-D mask; checked against padded logprobs once; off with packing)."""
 
     def __post_init__(self) -> None:
         check_rules("loss", self, clip_eps_low="clip_epsilon", clip_eps_high="clip_epsilon", kl_coef="kl_coef",
