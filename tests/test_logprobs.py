@@ -171,3 +171,56 @@ def test_packing_check_accepts_half_precision(tokenizer, tiny_model):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.isfinite(GRPOLoss(tiny_model, packing=True)(td)["loss_objective"])
     assert torch.isfinite(GRPOLoss(tiny_model.to(torch.bfloat16), packing=True)(td)["loss_objective"])
+
+
+def _embedding_sparse_during_forward(model) -> list[bool]:
+    """Records ``sparse`` of the input embedding each time it runs."""
+    seen = []
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: seen.append(module.sparse))
+    return seen
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_tied_embedding_backward_is_sparse_and_its_gradient_unchanged(tokenizer, monkeypatch, shared):
+    import grpo_accel.logprobs as lp
+    from grpo_accel.logprob_paths import shared_forward
+    from grpo_accel.tasks.tiny import build_tiny_qwen2
+
+    model = build_tiny_qwen2(tokenizer, seed=0).double()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    seen = _embedding_sparse_during_forward(model)
+    inputs = _ragged_batch(model.config.vocab_size, [3, 3, 5, 5], [6, 2, 4, 0])
+    grads = []
+    for tied_path in (True, False):
+        if not tied_path:
+            monkeypatch.setattr(lp, "_tied_embedding", lambda model: None)  # the dense backward, as before
+        model.zero_grad(set_to_none=True)
+        logp = sequence_logprobs(model, *inputs, forward=shared_forward if shared else None)
+        (logp * torch.linspace(-1, 1, logp.numel(), dtype=logp.dtype).view_as(logp)).sum().backward()
+        assert model.lm_head.weight.grad.layout == torch.strided  # the optimizer sees a dense gradient
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert seen == [True, False] and not model.model.embed_tokens.sparse
+    for sparse, dense in zip(*grads):
+        torch.testing.assert_close(sparse, dense, rtol=0, atol=1e-12)
+
+
+def test_the_embedding_stays_dense_untied_frozen_without_grad_and_after_a_failure(tokenizer, tiny_model):
+    from grpo_accel.logprobs import sparse_tied_embedding
+    from grpo_accel.tasks.tiny import build_tiny_qwen2
+
+    inputs = _ragged_batch(tiny_model.config.vocab_size, [3, 2], [4, 5])
+    seen = _embedding_sparse_during_forward(tiny_model)  # the tiny Llama's embedding is not tied
+    sequence_logprobs(tiny_model, *inputs).sum().backward()
+    assert seen == [False] and tiny_model.model.embed_tokens.weight.grad.layout == torch.strided
+    tied = build_tiny_qwen2(tokenizer, seed=0)
+    seen = _embedding_sparse_during_forward(tied)
+    with torch.no_grad():  # the reference pass: no backward
+        sequence_logprobs(tied, *inputs)
+    tied.model.embed_tokens.weight.requires_grad_(False)  # frozen (LoRA): no gradient at all
+    sequence_logprobs(tied, *inputs)
+    assert seen == [False, False]
+    tied.model.embed_tokens.weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="boom"), sparse_tied_embedding(tied):
+        assert tied.model.embed_tokens.sparse
+        raise RuntimeError("boom")
+    assert not tied.model.embed_tokens.sparse
