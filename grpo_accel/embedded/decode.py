@@ -143,7 +143,7 @@ class Decoder:
     def __init__(self, model: nn.Module, compiled: bool = False, lean: bool = True) -> None:
         self.model = model
         self.lean = lean and not compiled and not zero3_partitioned() and lean_reason(model) is None
-        self.mask_dtype = None if self.lean else additive_dtype(model)
+        self.mask_dtype = additive_dtype(model)  # the model's forward takes its attention's format
         cache_arg = "cache" if "cache" in inspect.signature(transformers_model(model).forward).parameters else "past_key_values"
 
         def forward(ids: Tensor, mask: Tensor, positions: Tensor, cache: BudgetCache) -> Tensor:  # -> [B, V]
@@ -191,7 +191,10 @@ class Decoder:
         after its own suffix: each prompt is prefilled once for all its rows, then only the suffixes are.
         """
         if self.lean_forward is not None:  # hooks may come and go between calls (a test's, a user's)
-            self.forward = self.wrapped if self.lean_forward.hooked() else self.lean_forward
+            lean = not self.lean_forward.hooked()
+            self.forward = self.lean_forward if lean else self.wrapped
+            # the lean forward adds its mask to the attention scores; the model's takes its attention's format
+            self.mask_dtype = next(self.model.parameters()).dtype if lean else additive_dtype(self.model)
         with self.no_grad(), self._packed():
             drawn = self._draw(prompt_ids, prompt_mask, group_size, keys, settings, prompt_of, suffix_ids, suffix_mask)
         n = prompt_ids.shape[0] * group_size if prompt_of is None else prompt_of.numel()
