@@ -1,4 +1,4 @@
-"""Process-level set-up: torch threads per process, DeepSpeed's CPU op, stale build locks, signals and the terminal,
+"""Process-level set-up: torch threads per process, the allocator, DeepSpeed's CPU op, stale build locks, signals and the terminal,
 the exit."""
 from __future__ import annotations
 
@@ -43,6 +43,45 @@ def configure_threads() -> int:
         threads = max(1, available_cores() // max(1, local))
     torch.set_num_threads(threads)
     return threads
+
+
+MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD = -3, -1  # mallopt's parameter numbers (glibc's malloc.h)
+
+
+def keep_freed_memory(mmap_threshold: int = 2**30, trim_threshold: int = 2**31 - 1) -> bool:
+    """Have glibc's malloc keep the memory torch frees for its next allocations instead of handing it back.
+
+    A training step allocates and frees the same activations, logits and gradients every time. By default glibc
+    serves blocks above its mmap threshold (128 KiB, rising to at most 32 MiB) with fresh ``mmap`` pages and
+    gives the top of its heap back beyond 128 KiB free, so each step's tensors are new pages that the kernel
+    faults in and zeroes one 4 KiB page at a time: SmolLM2-135M's forward + backward + AdamW step faulted
+    ~340,000 pages (1.3 GB), and first-touching 1.3 GB took 0.33-0.38 s here against 0.05 s to refill it. With
+    both thresholds raised (``mallopt``), freed blocks are reused: 90,000-190,000 faults a step, peak RSS +2-4 %.
+    Blocks above ``mmap_threshold`` still get their own pages. Returns whether glibc took both settings (False
+    where the C library is not glibc); inherited by processes forked after it. Both values are C ints.
+    """
+    mallopt = _glibc_function("mallopt")
+    return mallopt is not None and bool(mallopt(MALLOC_MMAP_THRESHOLD, mmap_threshold)) and bool(
+        mallopt(MALLOC_TRIM_THRESHOLD, trim_threshold))
+
+
+def release_freed_memory() -> None:
+    """Hand the memory malloc keeps (see :func:`keep_freed_memory`) back to the system now (``malloc_trim``), so
+    that the resident set counts live memory only: a measurement of one block's peak RSS starts from it."""
+    trim = _glibc_function("malloc_trim")
+    if trim is not None:
+        trim(0)
+
+
+def _glibc_function(name: str):
+    """``name`` from the C library through ctypes, or None where the library or the function is not there."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
 
 
 def skip_deepspeed_shm_op() -> None:

@@ -108,7 +108,7 @@ def run(args) -> dict | None:
     from grpo_accel.rewards import RewardSet, answer_match, format_match
     from grpo_accel.rollout.collector import GRPOCollector, score_rollout
     from grpo_accel.embedded.engine import EmbeddedEngine
-    from grpo_accel.runtime import configure_threads
+    from grpo_accel.runtime import configure_threads, keep_freed_memory
     from grpo_accel.tasks.addition import addition_rows
     from grpo_accel.trainer import GRPOTrainer
     from grpo_accel.embedded.sender import EmbeddedWeightSync
@@ -118,6 +118,7 @@ def run(args) -> dict | None:
                          "without accelerate launch or with accelerate_configs/single_process.yaml.")
     preflight()
     threads = configure_threads()
+    keep_freed_memory()  # as launch/train.py does
     dtype = getattr(torch, args.dtype)
     tokenizer, model = _tokenizer_and_model(args)
     model = model.to(dtype)

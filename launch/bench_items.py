@@ -19,6 +19,7 @@ import torch
 from tensordict import TensorDict
 
 from grpo_accel import batch
+from grpo_accel.runtime import release_freed_memory
 
 BIG_VOCAB, BIG_TOKENS = 32768, 4096  # the chunked-logprob item: a realistic vocabulary and micro-batch
 RAGGED_COMPLETION = 128  # packing and trimming items: completions of 32..128 tokens (4x), prompts of 8..16
@@ -66,7 +67,8 @@ def peak_memory_mb(device: torch.device):
     """Yields a dict whose ``"mb"`` is set on exit to the peak memory above the level at entry.
 
     CUDA: the allocator's peak. CPU: the resident-set high-water mark, reset on entry through
-    ``/proc/self/clear_refs`` (Linux), so the number covers this block only.
+    ``/proc/self/clear_refs`` (Linux) after the memory malloc keeps is released, so the number covers this block
+    only.
     """
     out = {}
     if device.type == "cuda":
@@ -77,6 +79,7 @@ def peak_memory_mb(device: torch.device):
         torch.cuda.synchronize()
         out["mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
         return
+    release_freed_memory()  # what malloc kept from earlier blocks would otherwise absorb this block's peak
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     base = _proc_status_mb("VmRSS")

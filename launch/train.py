@@ -81,10 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_frames=256")
     args = parser.parse_args(argv)
     quiet_console()
-    from grpo_accel.runtime import configure_threads
+    from grpo_accel.runtime import configure_threads, keep_freed_memory
 
     cfg = load_config(args.config, args.overrides)
     configure_threads()
+    keep_freed_memory()
     start = time.perf_counter()
     lock = RunFolderLock(cfg.output_dir) if first_process() else None
     if lock is not None:
