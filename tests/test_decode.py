@@ -102,6 +102,28 @@ def test_fast_decoder_draws_what_generate_draws(tokenizer, build, sampling, dtyp
     assert torch.equal(*greedy)
 
 
+@pytest.mark.parametrize("build", [_llama, _qwen2], ids=["llama", "qwen2-gqa"])
+def test_the_lean_decode_attention_on_one_thread_and_several(tokenizer, build):
+    """A decode step's attention is written out on CPU with several threads and SDPA's kernel on one: in float64
+    both draw the model's forward's tokens, with its logprobs."""
+    model = _ending(build(tokenizer), tokenizer)
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    engine = EmbeddedEngine(model, tokenizer, max_new_tokens=24, decoder="fast", temperature=1.0)
+    a = engine.generate(prompts, 4, seeds=[5, 6, 7, 8])
+    ids, mask = a[batch.PROMPT_IDS][::4], a[batch.PROMPT_MASK][::4]
+    keys = torch.tensor([s * 4 + j for s in [5, 6, 7, 8] for j in range(4)])
+    wrapped = Decoder(model, lean=False)(ids, mask, 4, keys, engine.settings)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            tokens, logprobs = engine.decoder(ids, mask, 4, keys, engine.settings)
+            assert engine.decoder.lean and torch.equal(tokens, wrapped[0]), threads
+            torch.testing.assert_close(logprobs, wrapped[1], atol=1e-10, rtol=0)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_min_new_tokens_and_the_budget(tokenizer):
     model = _ending(_llama(tokenizer), tokenizer)
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]

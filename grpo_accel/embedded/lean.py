@@ -6,10 +6,12 @@ the model's input checks, output capture, mask creation and output classes. :cla
 model's leaf modules in the model's order (embedding, each layer's norms, projections and MLP, the final norm
 and head) and does the attention itself, with the layer's ``scaling`` and the model's own ``rotary_emb``: a
 prefill as transformers' ``sdpa`` interface does it (``repeat_kv``, ``scaled_dot_product_attention``), a decode
-step's one query per row with the heads of a key/value head as its queries (``pack_gqa``), on CPU written out
-(two products and a softmax took 77 us where SDPA's CPU kernel took 134-144 us at SmolLM2's decode sizes, 30
-layers a token). Calling the modules (not their weights) keeps what a module adds:
-RMSNorm's float32 arithmetic, LoRA adapters, any ``nn.Linear`` subclass.
+step's one query per row with the heads of a key/value head as its queries (``pack_gqa``), on CPU with several
+threads written out: two products and a softmax took 54-58 us where SDPA's CPU kernel, which splits its work
+over the threads, took 95-97 us at SmolLM2's decode sizes (2 threads, 30 layers a token). On one thread SDPA's
+kernel stays (73 against 71 us written out at SmolLM2's sizes, 25 against 29 us at the tiny Qwen2's). Calling
+the modules (not their weights) keeps what a module adds: RMSNorm's float32 arithmetic, LoRA adapters, any
+``nn.Linear`` subclass.
 
 It covers the decoder layouts of Llama (SmolLM2), Mistral, Qwen2 and Qwen3 (``q_norm``/``k_norm``), read from
 the modules present; :func:`lean_reason` says why a model is not covered (then the model's forward is used).
@@ -79,7 +81,7 @@ class LeanForward:
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         k, v = cache_layer.update(k, v)  # [B, kv_heads, S, D]
         groups = attn.num_key_value_groups
-        if width == 1 and q.is_cpu:  # one query, written out: the heads of a key/value head become its queries
+        if width == 1 and q.is_cpu and torch.get_num_threads() > 1:  # one query, written out (module docstring)
             scores = torch.matmul(q.reshape(rows, -1, groups, attn.head_dim), k.transpose(-1, -2))  # [B, kv, g, S]
             wide = torch.promote_types(scores.dtype, torch.float32)  # softmax as SDPA computes it
             probs = torch.softmax(scores.mul_(attn.scaling).add_(mask), -1, dtype=wide).to(v.dtype)
