@@ -193,8 +193,7 @@ class Decoder:
         if self.lean_forward is not None:  # hooks may come and go between calls (a test's, a user's)
             lean = not self.lean_forward.hooked()
             self.forward = self.lean_forward if lean else self.wrapped
-            # the lean forward adds its mask to the attention scores; the model's takes its attention's format
-            self.mask_dtype = next(self.model.parameters()).dtype if lean else additive_dtype(self.model)
+            self.mask_dtype = self.lean_forward.mask_dtype() if lean else additive_dtype(self.model)
         with self.no_grad(), self._packed():
             drawn = self._draw(prompt_ids, prompt_mask, group_size, keys, settings, prompt_of, suffix_ids, suffix_mask)
         n = prompt_ids.shape[0] * group_size if prompt_of is None else prompt_of.numel()

@@ -55,6 +55,10 @@ class LeanForward:
         # the modules whose forward this one stands in for: a hook on any of them would not run here
         self.bypassed = [model, base, self.decoder, *self.layers, *(layer.self_attn for layer in self.layers)]
 
+    def mask_dtype(self) -> torch.dtype:
+        """The dtype of the additive mask this forward takes: it adds the mask to its attention scores."""
+        return next(self.decoder.parameters()).dtype
+
     def hooked(self) -> bool:
         """Whether a forward hook sits on a module this forward does not call (e.g. one that edits the model's
         logits): the model's own forward must then run, so that the hook does."""
