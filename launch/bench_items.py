@@ -11,7 +11,7 @@ import dataclasses
 import re
 import statistics
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -232,6 +232,11 @@ def _generation_items(engine, prompts: list[list[int]], group: int) -> list[Item
                 wrapped = median_time(generate, reps=3)
             items.append(Item("decode loop's lean forward", wrapped, lean, "s",
                               "the model's forward / its modules called without transformers' wrappers (same tokens)"))
+            with _settings(engine.decoder.lean_forward, fused=lambda product: nullcontext([])):
+                separate = median_time(generate, reps=3)
+            items.append(Item("decode loop's fused projections", separate, median_time(generate, reps=3), "s",
+                              "q/k/v and gate/up as separate products / each set as one product of weights "
+                              "concatenated at each call"))
         if engine.decoder.packed is not None:  # float32 on CPU past PACK_MIN_BYTES of matrices
             packed = median_time(generate, reps=3)
             with _settings(engine.decoder, packed=None):

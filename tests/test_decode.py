@@ -124,6 +124,78 @@ def test_the_lean_decode_attention_on_one_thread_and_several(tokenizer, build):
         torch.set_num_threads(before)
 
 
+def _decode_inputs(tokenizer):
+    ids = batch.pad_sequences([tokenizer(p)["input_ids"] for p in PROMPTS], tokenizer.pad_token_id, "left")
+    keys = torch.tensor([s * 4 + j for s in [5, 6, 7, 8] for j in range(4)])
+    return ids, (ids != tokenizer.pad_token_id).long(), keys, DecodeSettings(24, (tokenizer.eos_token_id,), tokenizer.pad_token_id)
+
+
+def test_the_lean_forward_fuses_plain_projections_of_the_moment_and_leaves_hooked_and_lora_ones(tokenizer):
+    """Each layer's q/k/v and gate/up are multiplied as one product from the weights of the call (float64:
+    the model's own forward's tokens, before and after an in-place update); a hooked projection is called as it
+    is (and its hook runs), and LoRA layers are never fused."""
+    from grpo_accel.embedded.lean import LeanForward, plain_product
+
+    model = _ending(_qwen2(tokenizer), tokenizer)  # q/k/v with biases
+    ids, mask, keys, settings = _decode_inputs(tokenizer)
+    lean, wrapped = Decoder(model), Decoder(model, lean=False)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    with lean.lean_forward.fused(plain_product) as fused:
+        assert len(fused) == 5 * len(model.model.layers) and {id(attn), id(mlp)} <= lean.lean_forward.products.keys()
+    assert lean.lean_forward.products == {}  # products are for one call only
+    runs = []
+    for _ in range(2):
+        tokens, logprobs = lean(ids, mask, 4, keys, settings)
+        expected = wrapped(ids, mask, 4, keys, settings)
+        assert lean.lean and torch.equal(tokens, expected[0])
+        torch.testing.assert_close(logprobs, expected[1], atol=1e-10, rtol=0)
+        runs.append(tokens)
+        with torch.no_grad():  # an optimizer step between two calls
+            attn.k_proj.weight.mul_(-3.0)
+            mlp.up_proj.weight.mul_(-2.0)
+    assert not torch.equal(*runs)
+    calls = []
+    attn.k_proj.register_forward_hook(lambda module, args, out: calls.append(out.shape))
+    with lean.lean_forward.fused(plain_product) as fused:
+        assert attn.k_proj not in fused and mlp.up_proj in fused and id(attn) not in lean.lean_forward.products
+    tokens, _ = lean(ids, mask, 4, keys, settings)
+    assert calls and torch.equal(tokens, wrapped(ids, mask, 4, keys, settings)[0])
+    lora = LeanForward(_lora(tokenizer))
+    with lora.fused(plain_product) as fused:
+        assert fused == []
+
+
+def test_the_lean_forward_reads_the_rotary_table_and_norms_as_the_model_computes_them(tokenizer):
+    """The rotary table's entries and the norms' results are bitwise the model's; a RoPE that rescales with the
+    sequence length is computed by the model's module at each step, and decodes the model's tokens."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from grpo_accel.embedded.lean import LeanForward, _rms_norm
+
+    model = _qwen2(tokenizer)
+    lean = LeanForward(model)
+    assert lean.rotary.static
+    hidden, positions = torch.randn(3, 4, 64), torch.tensor([[0, 1, 2, 3], [0, 0, 1, 2], [5, 6, 7, 8]])
+    cos, sin = lean.rotary(hidden, positions, 16)
+    own_cos, own_sin = model.model.rotary_emb(hidden, position_ids=positions)
+    assert torch.equal(cos[:, 0], own_cos) and torch.equal(sin[:, 0, ..., 8:], own_sin[..., 8:])
+    assert torch.equal(sin[:, 0, ..., :8], -own_sin[..., :8])  # rotate_half's negation, moved into sin
+    for norm in (model.model.norm, Qwen3RMSNorm(16, eps=1e-6)):
+        with torch.no_grad():
+            norm.weight.normal_()
+        for dtype in (torch.float32, torch.float64, torch.bfloat16):
+            x = torch.randn(3, 2, norm.weight.shape[0], dtype=dtype) * 3
+            assert torch.equal(_rms_norm(norm.to(dtype))(x), norm(x)), (type(norm).__name__, dtype)
+    dynamic = _llama(tokenizer)
+    dynamic.config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    dynamic.model.rotary_emb = type(dynamic.model.rotary_emb)(dynamic.config)
+    dynamic = _ending(dynamic, tokenizer)
+    decoder = Decoder(dynamic)
+    assert decoder.lean and not decoder.lean_forward.rotary.static
+    ids, mask, keys, settings = _decode_inputs(tokenizer)
+    assert torch.equal(decoder(ids, mask, 4, keys, settings)[0], Decoder(dynamic, lean=False)(ids, mask, 4, keys, settings)[0])
+
+
 def test_min_new_tokens_and_the_budget(tokenizer):
     model = _ending(_llama(tokenizer), tokenizer)
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]

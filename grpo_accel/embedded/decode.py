@@ -9,8 +9,8 @@ all use full attention; for Llama-family models its modules without transformers
 - one prefill per prompt: the G completions of a prompt copy its keys and values instead of recomputing them
   (a later turn of multi-turn episodes too: each episode then prefills only its own tokens after the prompt);
 - a key/value cache allocated once for the whole completion budget, written in place (:class:`BudgetCache`);
-- the attention mask as a slice of one boolean buffer, passed in 4-D form, so the model builds no mask of its
-  own;
+- the attention mask made once per call in the attention's format, 4-D, each step's a slice of it (the model
+  builds no mask of its own);
 - the keyed sampler and the logprob of the drawn token in the same step;
 - finished rows leave the batch once they are half of it (the cache rows are compacted).
 
@@ -32,8 +32,8 @@ from grpo_accel import batch
 from grpo_accel.attention import additive_dtype, mask_reason, model_mask, transformers_model
 from grpo_accel.distributed import zero3_collective, zero3_partitioned
 from grpo_accel.logprobs import position_ids_from_mask
-from grpo_accel.embedded.lean import LeanForward, lean_reason
-from grpo_accel.embedded.packed import PackedLinears, packing_reason
+from grpo_accel.embedded.lean import LeanForward, lean_reason, plain_product
+from grpo_accel.embedded.packed import PackedLinears, packed_product, packing_reason
 from grpo_accel.rollout.sampling import KeyedSampler, keyed_uniform
 
 DECODERS = ("auto", "fast", "compiled", "generate")
@@ -190,11 +190,11 @@ class Decoder:
         With ``prompt_of`` and ``suffix_ids`` (a later turn of multi-turn episodes), row i continues prompt ``prompt_of[i]``
         after its own suffix: each prompt is prefilled once for all its rows, then only the suffixes are.
         """
-        if self.lean_forward is not None:  # hooks may come and go between calls (a test's, a user's)
-            lean = not self.lean_forward.hooked()
+        lean = self.lean_forward is not None and not self.lean_forward.hooked()  # hooks come and go (a test's, a user's)
+        if self.lean_forward is not None:
             self.forward = self.lean_forward if lean else self.wrapped
             self.mask_dtype = self.lean_forward.mask_dtype() if lean else additive_dtype(self.model)
-        with self.no_grad(), self._packed():
+        with self.no_grad(), self._weights(lean):
             drawn = self._draw(prompt_ids, prompt_mask, group_size, keys, settings, prompt_of, suffix_ids, suffix_mask)
         n = prompt_ids.shape[0] * group_size if prompt_of is None else prompt_of.numel()
         return _assemble(drawn, n, settings)  # outside inference mode: ordinary tensors for the trainer
@@ -228,31 +228,39 @@ class Decoder:
             cache.advance(extra)
             next_position = suffix_positions[:, -1:] + 1
         draw = _Draws(keys, settings, device)
+        stops = torch.tensor(settings.stop_ids, device=device)
 
         live = torch.arange(n, device=device)  # [M] the batch rows still decoding, in batch order
         done = torch.zeros(n, dtype=torch.bool, device=device)  # [M]
+        seen = self._mask(visible[:, None, None])  # [M, 1, 1, L + S + C]: a step's mask is a slice of it
         drawn: list[tuple[Tensor, Tensor, Tensor]] = []  # (live rows, token [M], logprob [M]) per step
         for step in range(budget):
             token, logprob = draw(logits, step)  # [M], [M]; rows already done draw garbage, masked at the end
             drawn.append((live, token, logprob))
-            done = done | batch.is_stop_token(token, settings.stop_ids)
+            done = done | torch.isin(token, stops)
             finished = int(done.sum())
             if step + 1 == budget or self._everywhere(finished == done.numel()):
                 break
             if done.numel() > finished and 2 * finished >= done.numel():  # compact: the finished half leaves
                 keep = (~done).nonzero().squeeze(1)
                 cache.take_rows(keep)
-                live, done, token, next_position, visible = (t[keep] for t in (live, done, token, next_position, visible))
+                live, done, token, next_position, seen = (t[keep] for t in (live, done, token, next_position, seen))
                 draw.keep(keep)
-            mask = self._mask(visible[:, None, None, : cache.length + 1])
-            logits = self.forward(token[:, None], mask, next_position, cache)
+            logits = self.forward(token[:, None], seen[..., : cache.length + 1], next_position, cache)
             cache.advance(1)
             next_position = next_position + 1
         return drawn
 
-    def _packed(self):
-        """Packed weights for one call (taken now: the weights may have changed since the last), or nothing."""
-        return self.packed() if self.packed is not None else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def _weights(self, lean: bool):
+        """One call's products: under the lean forward each layer's q/k/v and gate/up fused, and packed where
+        the model's matrices are (each taken now: the weights may have changed since the last call)."""
+        with contextlib.ExitStack() as stack:
+            product = packed_product if self.packed is not None else plain_product
+            fused = stack.enter_context(self.lean_forward.fused(product)) if lean else []
+            if self.packed is not None:
+                stack.enter_context(self.packed(skip=fused))
+            yield
 
     def _mask(self, mask: Tensor) -> Tensor:  # [B, 1, Q, S] bool -> the attention's format
         """A 4-D mask reaches the attention as it is (transformers' mask creation returns it unchanged)."""
@@ -293,7 +301,9 @@ class _Draws:
             z = z.index_fill(-1, torch.tensor(s.stop_ids, device=z.device), float("-inf"))
         token = z.argmax(-1) if self.sampler is None else self.sampler.draw(z, self.uniforms[:, step])
         wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        logprob = torch.log_softmax(wide / s.temperature, -1).gather(-1, token[:, None])[:, 0]
+        if s.temperature != 1.0:
+            wide = wide / s.temperature
+        logprob = torch.log_softmax(wide, -1).gather(-1, token[:, None])[:, 0]
         return token, logprob
 
     def keep(self, rows: Tensor) -> None:  # rows [M'] of the live rows

@@ -18,7 +18,7 @@ can differ from the unpacked loop's; float64 models, GPUs and ZeRO-3's partition
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from functools import partial
 
@@ -62,16 +62,22 @@ class PackedLinears:
         self.linears = [m for m in _plain_linears(model) if "forward" not in m.__dict__]
 
     @contextmanager
-    def __call__(self) -> Iterator[None]:
+    def __call__(self, skip: Collection[nn.Module] = ()) -> Iterator[None]:
+        """Packed for the block; the modules in ``skip`` (multiplied some other way) stay as they are."""
+        swapped = [m for m in self.linears if all(m is not s for s in skip)]
         try:
-            for module in self.linears:
-                packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACKED_ROWS)
-                bias = None if module.bias is None else module.bias.detach()
-                module.forward = partial(_packed_linear, packed, bias)
+            for module in swapped:
+                module.forward = packed_product(module.weight, module.bias)
             yield
         finally:
-            for module in self.linears:
+            for module in swapped:
                 module.__dict__.pop("forward", None)
+
+
+def packed_product(weight: Tensor, bias: Tensor | None) -> Callable[[Tensor], Tensor]:
+    """``x -> x @ weight.T + bias`` ([..., in] -> [..., out]) by ``weight`` as it is now, reordered for oneDNN."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_ROWS)
+    return partial(_packed_linear, packed, None if bias is None else bias.detach())
 
 
 def _packed_linear(packed: Tensor, bias: Tensor | None, x: Tensor) -> Tensor:  # [..., in] -> [..., out]

@@ -96,7 +96,9 @@ class KeyedSampler:
 
     def filtered(self, scores: Tensor) -> Tensor:  # [N, V] -> [N, V] float32
         """``scores / temperature`` with top-k / top-p applied (excluded tokens at -inf)."""
-        z = scores.float() / self.temperature
+        z = scores.float()
+        if self.temperature != 1.0:  # z / 1.0 is z: one op less per decode step
+            z = z / self.temperature
         if self.top_k:
             kth = z.topk(min(self.top_k, z.shape[-1]), dim=-1).values[:, -1:]
             z = z.masked_fill(z < kth, float("-inf"))
