@@ -97,7 +97,7 @@ def shared_rows(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
 
 
 def shared_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, per_row: int | None = None):
-    """-> logits [N, C, V], targets [N, C], unpack, as ``padded_forward``, each prompt run once per k completions:
+    """-> logits [R, K, V], rows [N, C], as ``padded_forward``, each prompt run once per k completions:
     ``per_row`` (at most a prompt's rows), or the cheapest k (``completions_per_row``)."""
     first, of_row = distinct_prompts(prompt_ids, prompt_mask)
     base, counts = transformers_model(model), torch.bincount(of_row).tolist()
@@ -109,9 +109,7 @@ def shared_forward(model, prompt_ids, prompt_mask, completion_ids, completion_ma
     rows = shared_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, first, of_row, per_row)
     out = model(input_ids=rows.ids, attention_mask=model_mask(rows.mask, additive_dtype(base)),
                 position_ids=rows.positions, logits_to_keep=rows.keep, use_cache=False)
-    logits = out.logits[rows.row[:, None], rows.column]  # [R, K, V] -> [N, C, V]
-    keep = completion_mask.to(torch.float32)
-    return logits, completion_ids, lambda values: values * keep
+    return out.logits, rows.row[:, None] * len(rows.keep) + rows.column  # [R, K, V], [N, C]
 
 
 class LogprobPaths:

@@ -110,6 +110,31 @@ def test_two_processes_match_one_process(single, tmp_path, config, stage, dist_t
     assert_same_run(got, single)
 
 
+@pytest.fixture(scope="module")
+def single_tied(tmp_path_factory):
+    """The tiny Qwen2, whose input embedding and LM head share one weight, and its 1-process curves."""
+    from grpo_accel.tasks.tiny import build_char_tokenizer, build_tiny_qwen2
+
+    folder = tmp_path_factory.mktemp("tied_model")
+    tokenizer = build_char_tokenizer()
+    build_tiny_qwen2(tokenizer, seed=0).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    model = f"model.name_or_path={folder}"
+    return model, curves(run("single_process.yaml", tmp_path_factory.mktemp("single_tied"), "run", model))[0]
+
+
+@pytest.mark.parametrize("config, extra", [
+    ("ddp.yaml", ()), ("zero2.yaml", ("trainer.micro_batch_completions=32", "trainer.gradient_accumulation_steps=2")),
+])
+def test_a_tied_embedding_trains_alike_on_two_processes(single_tied, tmp_path, config, extra):
+    """The tied weight's gradient is made whole in the embedding's backward (logprobs.tied_embedding_rows):
+    DDP's and DeepSpeed's gradient hooks see it once, whole, and average it as they average the rest."""
+    model, expected = single_tied
+    got, summary = curves(run(config, tmp_path, "run", model, "trainer.micro_batch_completions=64", *extra))
+    assert summary["num_processes"] == 2
+    assert_same_run(got, expected)
+
+
 LORA = ("model.lora.r=4", "model.lora.alpha=8", "loss.kl_coef=0.05")  # the reference: the adapter switched off
 
 

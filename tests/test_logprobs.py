@@ -173,54 +173,85 @@ def test_packing_check_accepts_half_precision(tokenizer, tiny_model):
     assert torch.isfinite(GRPOLoss(tiny_model.to(torch.bfloat16), packing=True)(td)["loss_objective"])
 
 
-def _embedding_sparse_during_forward(model) -> list[bool]:
-    """Records ``sparse`` of the input embedding each time it runs."""
+def _embedding_taken_over_during_forward(model) -> list[bool]:
+    """Records, each time the input embedding runs, whether its forward is the tied-gradient one."""
     seen = []
-    model.get_input_embeddings().register_forward_hook(lambda module, args, out: seen.append(module.sparse))
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: seen.append("forward" in module.__dict__))
     return seen
 
 
+def _weight_sums(model, run) -> int:
+    """How many out-of-place sums or copies of a [V, H] tensor ``run`` makes (aten ops, as dispatched)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    shape = model.get_input_embeddings().weight.shape
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.__name__ in ("add.Tensor", "copy_.default", "clone.default") and getattr(out, "shape", None) == shape:
+                seen.append(func.__name__)
+            return out
+
+    with Ops():
+        run()
+    return len(seen)
+
+
 @pytest.mark.parametrize("shared", [False, True])
-def test_a_tied_embedding_backward_is_sparse_and_its_gradient_unchanged(tokenizer, monkeypatch, shared):
+def test_a_tied_embedding_adds_its_rows_into_the_head_gradient_in_place(tokenizer, monkeypatch, shared):
+    """The tied weight's gradient equals autograd's own sum (float64, to 1e-12; padding ids get no rows, two
+    accumulated backwards), made without the [V, H] sum or copy that autograd's own way makes."""
     import grpo_accel.logprobs as lp
     from grpo_accel.logprob_paths import shared_forward
     from grpo_accel.tasks.tiny import build_tiny_qwen2
 
     model = build_tiny_qwen2(tokenizer, seed=0).double()
-    assert model.lm_head.weight is model.model.embed_tokens.weight
-    seen = _embedding_sparse_during_forward(model)
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.model.embed_tokens.padding_idx == 0
+    seen = _embedding_taken_over_during_forward(model)
     inputs = _ragged_batch(model.config.vocab_size, [3, 3, 5, 5], [6, 2, 4, 0])
-    grads = []
-    for tied_path in (True, False):
-        if not tied_path:
-            monkeypatch.setattr(lp, "_tied_embedding", lambda model: None)  # the dense backward, as before
+    assert (inputs[0] == 0).any() and (inputs[2] == 0).any()  # padding ids among the looked-up tokens
+    grads, sums = [], []
+    for linked in (True, False):
+        if not linked:
+            monkeypatch.setattr(lp, "_tied_pair", lambda model: None)  # autograd's own sum
         model.zero_grad(set_to_none=True)
-        logp = sequence_logprobs(model, *inputs, forward=shared_forward if shared else None)
-        (logp * torch.linspace(-1, 1, logp.numel(), dtype=logp.dtype).view_as(logp)).sum().backward()
-        assert model.lm_head.weight.grad.layout == torch.strided  # the optimizer sees a dense gradient
+
+        def backward():
+            for scale in (1.0, -0.5):  # two micro-batches accumulated
+                logp = sequence_logprobs(model, *inputs, forward=shared_forward if shared else None)
+                (logp * scale * torch.linspace(-1, 1, logp.numel(), dtype=logp.dtype).view_as(logp)).sum().backward()
+
+        sums.append(_weight_sums(model, backward))
+        assert model.lm_head.weight.grad.layout == torch.strided
         grads.append([p.grad.clone() for p in model.parameters()])
-    assert seen == [True, False] and not model.model.embed_tokens.sparse
-    for sparse, dense in zip(*grads):
-        torch.testing.assert_close(sparse, dense, rtol=0, atol=1e-12)
+    assert seen == [True, True, False, False] and "forward" not in model.model.embed_tokens.__dict__
+    assert sums[0] == 0 and sums[1] > 0, sums
+    for linked, plain in zip(*grads):
+        torch.testing.assert_close(linked, plain, rtol=0, atol=1e-12)
 
 
-def test_the_embedding_stays_dense_untied_frozen_without_grad_and_after_a_failure(tokenizer, tiny_model):
-    from grpo_accel.logprobs import sparse_tied_embedding
+def test_the_embedding_stays_as_it_is_untied_frozen_without_grad_under_autocast_and_after_a_failure(
+        tokenizer, tiny_model):
+    from grpo_accel.logprobs import tied_embedding_rows
     from grpo_accel.tasks.tiny import build_tiny_qwen2
 
     inputs = _ragged_batch(tiny_model.config.vocab_size, [3, 2], [4, 5])
-    seen = _embedding_sparse_during_forward(tiny_model)  # the tiny Llama's embedding is not tied
+    seen = _embedding_taken_over_during_forward(tiny_model)  # the tiny Llama's embedding is not tied
     sequence_logprobs(tiny_model, *inputs).sum().backward()
     assert seen == [False] and tiny_model.model.embed_tokens.weight.grad.layout == torch.strided
     tied = build_tiny_qwen2(tokenizer, seed=0)
-    seen = _embedding_sparse_during_forward(tied)
+    seen = _embedding_taken_over_during_forward(tied)
     with torch.no_grad():  # the reference pass: no backward
         sequence_logprobs(tied, *inputs)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # mixed precision: autograd's own way
+        sequence_logprobs(tied, *inputs).sum().backward()
     tied.model.embed_tokens.weight.requires_grad_(False)  # frozen (LoRA): no gradient at all
     sequence_logprobs(tied, *inputs)
-    assert seen == [False, False]
+    assert seen == [False, False, False]
     tied.model.embed_tokens.weight.requires_grad_(True)
-    with pytest.raises(RuntimeError, match="boom"), sparse_tied_embedding(tied):
-        assert tied.model.embed_tokens.sparse
+    with pytest.raises(RuntimeError, match="boom"), tied_embedding_rows(tied):
+        assert "forward" in tied.model.embed_tokens.__dict__ and "forward" in tied.lm_head.__dict__
         raise RuntimeError("boom")
-    assert not tied.model.embed_tokens.sparse
+    assert "forward" not in tied.model.embed_tokens.__dict__ and "forward" not in tied.lm_head.__dict__
