@@ -9,11 +9,21 @@ from grpo_accel.embedded.packed import PACK_MIN_BYTES, PackedLinears, packing_re
 PROMPTS = ["12+34=", "1+2=", "7+7="]
 
 
-def _model_over_the_threshold(tokenizer):
-    """A Llama whose matrices (34 MB) leave the cache: the size where packing is used."""
+@pytest.fixture(autouse=True)
+def packing_from_32_mib(monkeypatch):
+    """The tests' models stay small: packing is tried from 32 MiB of matrices here (by default from 64 MiB)."""
+    monkeypatch.setattr("grpo_accel.embedded.packed.PACK_MIN_BYTES", 32 * 2**20)
+
+
+def _llama_of_32_mib(tokenizer):
     from grpo_accel.tasks.tiny import TinyModelSpec, build_tiny_model
 
-    model = build_tiny_model(tokenizer, TinyModelSpec(256, 8, 8, 1024, max_positions=64), seed=0).eval()
+    return build_tiny_model(tokenizer, TinyModelSpec(256, 8, 8, 1024, max_positions=64), seed=0).eval()
+
+
+def _model_over_the_threshold(tokenizer):
+    """A Llama with 32 MiB of matrices: packed from the tests' threshold, not from the default one."""
+    model = _llama_of_32_mib(tokenizer)
     assert packing_reason(model) is None
     return model
 
@@ -55,11 +65,14 @@ def test_packing_restores_the_modules_when_the_block_fails(tokenizer):
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
-def test_what_is_not_packed_and_why(tokenizer):
+def test_what_is_not_packed_and_why(tokenizer, monkeypatch):
     from grpo_accel.tasks.tiny import build_tiny_qwen2
 
     tiny = build_tiny_qwen2(tokenizer, seed=0)
-    assert f"packing pays from {PACK_MIN_BYTES // 2**20} MiB" in packing_reason(tiny)
+    assert "packing pays from 32 MiB" in packing_reason(tiny)
+    monkeypatch.setattr("grpo_accel.embedded.packed.PACK_MIN_BYTES", PACK_MIN_BYTES)  # the default: 64 MiB
+    assert "32.0 MiB of matrix weights (packing pays from 64 MiB)" in packing_reason(_llama_of_32_mib(tokenizer))
+    monkeypatch.setattr("grpo_accel.embedded.packed.PACK_MIN_BYTES", 32 * 2**20)
     assert Decoder(tiny).packed is None
     wide = _model_over_the_threshold(tokenizer).double()
     assert "torch.float64 weights on cpu" in packing_reason(wide)
