@@ -209,11 +209,11 @@ def plain_product(weight: Tensor, bias: Tensor | None) -> Callable[[Tensor], Ten
 
 def _rms_norm(norm: nn.Module):
     """What transformers' ``RMSNorm.forward`` computes (float32 statistics, then the weight in the input's
-    dtype) through ``torch.rms_norm``: bitwise the same, one op where the module's forward issues seven."""
-    weight, eps = norm.weight, norm.variance_epsilon
+    dtype) through ``torch.rms_norm``: bitwise the same, two ops where the module's forward issues seven. The
+    weight is read at each call (a push may replace it)."""
 
     def forward(x: Tensor) -> Tensor:
-        return weight * torch.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
+        return norm.weight * torch.rms_norm(x.float(), x.shape[-1:], None, norm.variance_epsilon).to(x.dtype)
 
     return forward
 
