@@ -237,6 +237,13 @@ def _generation_items(engine, prompts: list[list[int]], group: int) -> list[Item
             items.append(Item("decode loop's fused projections", separate, median_time(generate, reps=3), "s",
                               "q/k/v and gate/up as separate products / each set as one product of weights "
                               "concatenated at each call"))
+            if engine.decoder.lean_forward.native is not None:  # float32 on CPU with a C compiler
+                native = median_time(generate, reps=3)
+                with _settings(engine.decoder.lean_forward, native=None):
+                    ops = median_time(generate, reps=3)
+                items.append(Item("decode loop's C step", ops, native, "s",
+                                  "torch ops between the products / one C call per stretch between two products "
+                                  "(norms, rotary, cache write, attention, SiLU)"))
         if engine.decoder.packed is not None:  # float32 on CPU past PACK_MIN_BYTES of matrices
             packed = median_time(generate, reps=3)
             with _settings(engine.decoder, packed=None):

@@ -7,7 +7,8 @@ default turned off), one process, one torch thread for training. Each round runs
 (``accelerate launch --config_file accelerate_configs/single_process.yaml launch/train.py`` with overrides for
 this work and every other setting default; its step times are the wall-time gaps of its TensorBoard events),
 then ``python launch/bench.py --size tiny --loop ...`` for every variant and decoder asked for (none by
-default); the table gives the median over rounds of each run's median step time.
+default); the table gives the median over rounds of each run's median step time, and the mean completion length
+of the TRL and README-command runs (their policies learn apart, and a step's time follows its tokens).
 
 TRL is not a dependency: install it in an environment of its own (same torch and transformers) and name its
 python with ``--trl-python``:
@@ -92,17 +93,23 @@ def command_side(steps: int, warmup: int, env: dict, model: str | None) -> dict:
         model, out = model or tiny_model_folder(Path(folder) / "model"), Path(folder) / "run"
         subprocess.run(readme_command(model, out, warmup + steps + 1), env=env, capture_output=True, check=True,
                        cwd=ROOT)
-        return {"step_s": statistics.median(step_gaps(out / "tensorboard", warmup))}
+        return {"step_s": statistics.median(step_gaps(out / "tensorboard", warmup)),
+                "completion_tokens_mean": statistics.mean(_scalars(out / "tensorboard", "train/completion_length_mean"))}
 
 
 def step_gaps(log_dir: Path, warmup: int) -> list[float]:
     """Seconds between the logs of consecutive iterations (one log per iteration), after ``warmup`` of them."""
+    ends = [e.wall_time for e in _scalars(log_dir, "train/reward_mean", events=True)]
+    return [b - a for a, b in zip(ends[warmup:], ends[warmup + 1:])]
+
+
+def _scalars(log_dir: Path, tag: str, events: bool = False) -> list:
+    """A tag's values in a run's TensorBoard files, one per iteration (or its events, with their wall times)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
-    events.Reload()
-    ends = [e.wall_time for e in events.Scalars("train/reward_mean")]
-    return [b - a for a, b in zip(ends[warmup:], ends[warmup + 1:])]
+    accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return [e if events else e.value for e in accumulator.Scalars(tag)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,11 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     side = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
             *(["--model", args.model] if args.model else [])]
     runs: dict[str, list[float]] = {}
+    tokens: dict[str, list[float]] = {}  # each run's mean completion length, where the run reports it
     for _ in range(args.rounds):
         out = subprocess.run([args.trl_python, __file__, "--side", "trl", *side], env=env, capture_output=True,
                              text=True, check=True, cwd=ROOT)
-        runs.setdefault("TRL GRPOTrainer", []).append(json.loads(out.stdout.splitlines()[-1])["step_s"])
-        runs.setdefault("grpo_accel, the README's command", []).append(command_side(args.steps, args.warmup, env, args.model)["step_s"])
+        for name, result in (("TRL GRPOTrainer", json.loads(out.stdout.splitlines()[-1])),
+                             ("grpo_accel, the README's command", command_side(args.steps, args.warmup, env, args.model))):
+            runs.setdefault(name, []).append(result["step_s"])
+            if result["completion_tokens_mean"] is not None:
+                tokens.setdefault(name, []).append(result["completion_tokens_mean"])
         for decoder in args.decoders if args.variants else []:
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
                 subprocess.run([sys.executable, str(ROOT / "launch" / "bench.py"), "--size", "tiny", "--loop", *args.variants,
@@ -146,10 +157,12 @@ def main(argv: list[str] | None = None) -> int:
                 for variant, r in json.loads(Path(f.name).read_text())["loop"].items():
                     runs.setdefault(f"grpo_accel {variant}, decoder {decoder}", []).append(r["step_s"])
     trl = statistics.median(runs["TRL GRPOTrainer"])
-    sys.stdout.write(f"{'':<40}{'median step s':>14}{'x TRL':>8}   per round\n")
+    sys.stdout.write(f"{'':<40}{'median step s':>14}{'x TRL':>8}{'tokens':>8}   per round (step s / tokens)\n")
     for name, values in runs.items():
-        med = statistics.median(values)
-        sys.stdout.write(f"{name:<40}{med:>14.4f}{trl / med:>8.2f}   {' '.join(f'{v:.4f}' for v in values)}\n")
+        med, lengths = statistics.median(values), tokens.get(name)
+        column = f"{statistics.mean(lengths):>8.1f}" if lengths else f"{'-':>8}"
+        rounds = " ".join(f"{v:.4f}" + (f"/{t:.1f}" if lengths else "") for v, t in zip(values, lengths or values))
+        sys.stdout.write(f"{name:<40}{med:>14.4f}{trl / med:>8.2f}{column}   {rounds}\n")
     return 0
 
 

@@ -20,7 +20,7 @@ ITEMS = {"old logprobs from the rollout", "no reference pass at kl_coef=0", "mic
          "generation batched over prompts x group", "decode loop (rollout.decoder=fast)",
          "episodes' later turns: prompt prefilled once", "generation stops when all finished",
          "torch threads from the cores", "decode loop in inference mode", "fused AdamW step", "decode loop's lean forward",
-         "decode loop's fused projections", "decode loop's packed weights", "shared prompts, the rollout's prompts", "shared prompts, prompts 8x longer"}
+         "decode loop's fused projections", "decode loop's C step", "decode loop's packed weights", "shared prompts, the rollout's prompts", "shared prompts, prompts 8x longer"}
 
 
 def check_result(result: dict, processes: int) -> None:

@@ -1,0 +1,149 @@
+"""The decode step's C library (grpo_accel/embedded/native.py): its functions against torch's ops, the decode loop
+with it against the loop with torch's ops, its build once per machine, and the torch ops where it cannot be built."""
+import torch
+import torch.nn.functional as F
+
+import pytest
+
+from grpo_accel import batch
+from grpo_accel.embedded import native
+from grpo_accel.embedded.decode import Decoder, DecodeSettings
+from grpo_accel.embedded.lean import LeanForward
+from grpo_accel.embedded.native import NativeStep, native_reason
+
+PROMPTS = ["12+34=", "1+2=", "7+7=", "49+49="]  # 4 to 6 tokens: left padding
+
+
+def _llama(tokenizer):
+    from grpo_accel.tasks.tiny import build_tiny_model
+
+    return build_tiny_model(tokenizer, seed=0)
+
+
+def _qwen2(tokenizer):
+    """Grouped-query attention, biases on q/k/v, tied embeddings."""
+    from grpo_accel.tasks.tiny import build_tiny_qwen2
+
+    return build_tiny_qwen2(tokenizer, seed=0)
+
+
+def _mistral(tokenizer):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    return MistralForCausalLM(MistralConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, sliding_window=None,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id))
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """A process that has not loaded the library yet, with a kernel folder of its own."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    native._built.cache_clear()
+    yield tmp_path / "grpo_accel" / "kernels"
+    native._built.cache_clear()  # later tests load the machine's library again
+
+
+def test_the_c_functions_compute_what_torch_computes():
+    """Against float64 torch: the residual add exactly, the RMSNorm, SiLU times up over [-120, 120] (exp's range
+    reduction, its clamps) and one query's attention with grouped heads, a rotary embedding and masked keys, to
+    float32 rounding; the cache gets the rotated key and the value at its position and nothing else."""
+    step, g = NativeStep(), torch.Generator().manual_seed(0)
+    hidden, delta, weight = (torch.randn(5, 96, generator=g) * 3, torch.randn(5, 96, generator=g),
+                             torch.randn(96, generator=g))
+    added, normed = hidden.clone(), torch.empty(5, 96)
+    step.add_rms_norm(added, delta, weight, 1e-6, normed)
+    assert torch.equal(added, hidden + delta)
+    torch.testing.assert_close(normed.double(), torch.rms_norm((hidden + delta).double(), (96,), weight.double(), 1e-6),
+                               rtol=1e-6, atol=1e-6)
+    step.add_rms_norm(hidden, None, weight, 1e-6, normed)  # no delta: the norm alone
+    torch.testing.assert_close(normed.double(), torch.rms_norm(hidden.double(), (96,), weight.double(), 1e-6),
+                               rtol=1e-6, atol=1e-6)
+
+    gate, up = torch.linspace(-120, 120, 4001), torch.randn(4001, generator=g)
+    out = torch.empty(1, 4001)
+    step.silu_mul(torch.cat([gate, up])[None], out)
+    torch.testing.assert_close(out[0].double(), F.silu(gate.double()) * up.double(), rtol=2e-6, atol=1e-30)
+
+    rows, heads, kv_heads, dim, capacity, length = 3, 6, 2, 16, 10, 6
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g)
+    cos, sin = torch.randn(rows, dim, generator=g), torch.randn(rows, dim, generator=g)
+    keys, values = torch.randn(rows, kv_heads, capacity, dim, generator=g), torch.randn(rows, kv_heads, capacity, dim, generator=g)
+    mask = torch.zeros(rows, 1, 1, capacity + 2)
+    mask[1, ..., :2] = torch.finfo(torch.float32).min  # row 1 sees neither of its first two positions
+    before_keys, before_values, out = keys.clone(), values.clone(), torch.empty(rows, heads * dim)
+    step.attention(qkv, cos, sin, keys, values, mask[..., : length + 1], out, heads, kv_heads, length, 0.25)
+
+    def rotate(x):  # [rows, n, dim]
+        return x * cos[:, None].double() + x.roll(dim // 2, -1) * sin[:, None].double()
+
+    q, k, v = qkv.double().split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    k, v = rotate(k.view(rows, kv_heads, dim)), v.view(rows, kv_heads, dim)
+    torch.testing.assert_close(keys[:, :, length].double(), k, rtol=1e-6, atol=1e-6)
+    assert torch.equal(values[:, :, length].double(), v)
+    for cache, before in ((keys, before_keys), (values, before_values)):
+        assert torch.equal(cache[:, :, :length], before[:, :, :length]) and torch.equal(cache[:, :, length + 1:], before[:, :, length + 1:])
+    full_k = keys.double()[:, :, : length + 1].repeat_interleave(heads // kv_heads, 1)  # [rows, heads, S, dim]
+    full_v = values.double()[:, :, : length + 1].repeat_interleave(heads // kv_heads, 1)
+    scores = torch.einsum("rhd,rhsd->rhs", rotate(q.view(rows, heads, dim)), full_k) * 0.25 + mask[:, 0, :, : length + 1].double()
+    expected = torch.einsum("rhs,rhsd->rhd", scores.softmax(-1), full_v).reshape(rows, -1)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("build, eos", [(_llama, 0.3), (_qwen2, 1.0), (_mistral, 0.3)],
+                         ids=["llama", "qwen2-gqa-bias", "mistral-one-kv-head"])
+def test_the_decode_loop_draws_the_same_tokens_with_the_c_step(tokenizer, build, eos, monkeypatch):
+    """Float32, EOS made likely so that rows finish at different steps and leave the batch: the loop with the C
+    step draws the tokens the loop with torch's ops draws, with its logprobs to float32 rounding; the C step ran
+    for every decode step (not for the prefill)."""
+    model = build(tokenizer)
+    with torch.no_grad():
+        head = model.get_output_embeddings()
+        head.weight[tokenizer.eos_token_id] += eos * head.weight.norm(dim=1).mean()
+    ids = batch.pad_sequences([tokenizer(p)["input_ids"] for p in PROMPTS], tokenizer.pad_token_id, "left")
+    keys = torch.tensor([s * 4 + j for s in [5, 6, 7, 8] for j in range(4)])
+    settings = DecodeSettings(24, (tokenizer.eos_token_id,), tokenizer.pad_token_id)
+    decoder = Decoder(model)
+    assert decoder.lean and decoder.lean_forward.native is not None and decoder.lean_forward.native_reason is None
+    steps = []
+    attention = NativeStep.attention
+    monkeypatch.setattr(NativeStep, "attention", lambda self, *a, **k: steps.append(a[0].shape[0]) or attention(self, *a, **k))
+    tokens, logprobs = decoder(ids, (ids != tokenizer.pad_token_id).long(), 4, keys, settings)
+    lengths = (tokens != tokenizer.pad_token_id).sum(1)
+    assert lengths.min() < 12 and lengths.max() == 24, "rows must finish at different steps"
+    assert len(steps) == 2 * (tokens.shape[1] - 1) and steps[-1] < steps[0]  # 2 layers a step; fewer rows at the end
+    decoder.lean_forward.native = None
+    expected_tokens, expected_logprobs = decoder(ids, (ids != tokenizer.pad_token_id).long(), 4, keys, settings)
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(logprobs, expected_logprobs, atol=2e-5, rtol=0)
+
+
+def test_the_library_is_built_once_per_machine_and_named_by_its_source_and_cpu(fresh_build):
+    assert native_reason() is None
+    (library,) = fresh_build.glob("decode_step-*.so")
+    built = library.stat().st_mtime_ns
+    native._built.cache_clear()  # another process on this machine: loads, does not build
+    assert native_reason() is None and library.stat().st_mtime_ns == built
+    assert [p.name for p in fresh_build.iterdir()] == [library.name]  # no build folder left behind
+
+
+@pytest.mark.parametrize("compiler, reason", [("/nonexistent/cc", "no C compiler (/nonexistent/cc not found"),
+                                              ("false", "false failed on decode_step.c")])
+def test_without_a_compiler_decode_steps_keep_the_torch_ops(tokenizer, fresh_build, monkeypatch, compiler, reason):
+    monkeypatch.setenv("CC", compiler)
+    assert native_reason().startswith(reason)
+    model = _llama(tokenizer)
+    lean = LeanForward(model)
+    assert lean.native is None and lean.native_reason.startswith(reason)
+    ids = torch.tensor([tokenizer("1+2=")["input_ids"]])
+    tokens, _ = Decoder(model)(ids, torch.ones_like(ids), 2, torch.tensor([1, 2]),
+                               DecodeSettings(6, (tokenizer.eos_token_id,), tokenizer.pad_token_id))
+    assert tokens.shape[0] == 2
+    assert not list(fresh_build.glob("*.so"))
+
+
+def test_float64_models_keep_the_torch_ops(tokenizer):
+    lean = LeanForward(_llama(tokenizer).double())
+    assert lean.native is None and lean.native_reason == "torch.float64 on cpu (the C step is float32 on CPU)"
