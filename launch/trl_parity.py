@@ -15,6 +15,10 @@ python with ``--trl-python``:
 
     python -m venv /tmp/trl && /tmp/trl/bin/pip install torch==2.13.0 trl==1.16.0 tensordict
     PYTHONPATH=. python launch/trl_parity.py --trl-python /tmp/trl/bin/python --rounds 3
+
+``--baseline DIR`` adds, each round, the README's command from another checkout (a worktree of the previous
+build: ``git worktree add /tmp/before HEAD~1``), run before or after this checkout's in alternating rounds, so a
+change is measured against TRL and against what it replaces in one interleaved run.
 """
 from __future__ import annotations
 
@@ -76,10 +80,11 @@ def tiny_model_folder(folder: str | Path) -> Path:
     return Path(folder)
 
 
-def readme_command(model: str | Path, out: Path, batches: int, *overrides: str) -> list[str]:
-    """The README's command on the work, ``batches`` iterations long, writing to ``out``."""
+def readme_command(model: str | Path, out: Path, batches: int, *overrides: str, root: Path = ROOT) -> list[str]:
+    """The README's command on the work, ``batches`` iterations long, writing to ``out``, from the checkout at
+    ``root`` (this environment's ``accelerate``)."""
     return [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
-            str(ROOT / "accelerate_configs" / "single_process.yaml"), str(ROOT / "launch" / "train.py"),
+            str(root / "accelerate_configs" / "single_process.yaml"), str(root / "launch" / "train.py"),
             f"model.name_or_path={model}", "data.max_operand=49",
             f"rollout.prompts_per_batch={WORK['prompts']}", f"rollout.group_size={WORK['group']}",
             f"rollout.max_new_tokens={WORK['max_new_tokens']}", f"loss.kl_coef={WORK['kl_coef']}",
@@ -87,12 +92,13 @@ def readme_command(model: str | Path, out: Path, batches: int, *overrides: str) 
             f"output_dir={out}", *overrides]
 
 
-def command_side(steps: int, warmup: int, env: dict, model: str | None) -> dict:
-    """The README's command on the work: its median step from the wall times of its TensorBoard events."""
+def command_side(steps: int, warmup: int, env: dict, model: str | None, root: Path = ROOT) -> dict:
+    """The README's command on the work, from the checkout at ``root`` (its package first on the path): its median
+    step from the wall times of its TensorBoard events."""
     with tempfile.TemporaryDirectory() as folder:
         model, out = model or tiny_model_folder(Path(folder) / "model"), Path(folder) / "run"
-        subprocess.run(readme_command(model, out, warmup + steps + 1), env=env, capture_output=True, check=True,
-                       cwd=ROOT)
+        subprocess.run(readme_command(model, out, warmup + steps + 1, root=root), env={**env, "PYTHONPATH": str(root)},
+                       capture_output=True, check=True, cwd=root)
         return {"step_s": statistics.median(step_gaps(out / "tensorboard", warmup)),
                 "completion_tokens_mean": statistics.mean(_scalars(out / "tensorboard", "train/completion_length_mean"))}
 
@@ -123,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="a model folder (weights + tokenizer) instead of the tiny Qwen2, e.g. "
                                         "~/.cache/grpo_accel/models/smollm2-135m (the README command's side only)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each side")
+    parser.add_argument("--baseline", type=Path, help="another checkout of grpo_accel (e.g. a git worktree of the "
+                                                      "previous build): its README command runs each round too, "
+                                                      "before or after this one's, alternating")
     parser.add_argument("--side", choices=["trl"], help=argparse.SUPPRESS)  # internal: one TRL run, JSON out
     args = parser.parse_args(argv)
     if args.side == "trl":
@@ -132,19 +141,27 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--trl-python is required (TRL is not a dependency of grpo_accel)")
     if args.model and args.variants:
         parser.error("--variants time launch/bench.py's tiny model; with --model only TRL and the README's command run")
+    if args.baseline is not None and not (args.baseline / "launch" / "train.py").is_file():
+        parser.error(f"--baseline {args.baseline}: no launch/train.py there; give a checkout of grpo_accel, e.g. "
+                     "`git worktree add /tmp/before <commit>`")
+    commands = [("grpo_accel, the README's command", ROOT)]
+    if args.baseline is not None:
+        commands.append((f"grpo_accel, the README's command from {args.baseline}", args.baseline.resolve()))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "GRPO_ACCEL_THREADS": str(args.threads)}
     side = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
             *(["--model", args.model] if args.model else [])]
     runs: dict[str, list[float]] = {}
     tokens: dict[str, list[float]] = {}  # each run's mean completion length, where the run reports it
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
         out = subprocess.run([args.trl_python, __file__, "--side", "trl", *side], env=env, capture_output=True,
                              text=True, check=True, cwd=ROOT)
-        for name, result in (("TRL GRPOTrainer", json.loads(out.stdout.splitlines()[-1])),
-                             ("grpo_accel, the README's command", command_side(args.steps, args.warmup, env, args.model))):
-            runs.setdefault(name, []).append(result["step_s"])
-            if result["completion_tokens_mean"] is not None:
-                tokens.setdefault(name, []).append(result["completion_tokens_mean"])
+        results = {"TRL GRPOTrainer": json.loads(out.stdout.splitlines()[-1])}
+        for name, root in commands if round_ % 2 == 0 else commands[::-1]:  # the order alternates between rounds
+            results[name] = command_side(args.steps, args.warmup, env, args.model, root)
+        for name in ("TRL GRPOTrainer", *(name for name, _ in commands)):
+            runs.setdefault(name, []).append(results[name]["step_s"])
+            if results[name]["completion_tokens_mean"] is not None:
+                tokens.setdefault(name, []).append(results[name]["completion_tokens_mean"])
         for decoder in args.decoders if args.variants else []:
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
                 subprocess.run([sys.executable, str(ROOT / "launch" / "bench.py"), "--size", "tiny", "--loop", *args.variants,
@@ -156,13 +173,13 @@ def main(argv: list[str] | None = None) -> int:
                                cwd=ROOT)
                 for variant, r in json.loads(Path(f.name).read_text())["loop"].items():
                     runs.setdefault(f"grpo_accel {variant}, decoder {decoder}", []).append(r["step_s"])
-    trl = statistics.median(runs["TRL GRPOTrainer"])
-    sys.stdout.write(f"{'':<40}{'median step s':>14}{'x TRL':>8}{'tokens':>8}   per round (step s / tokens)\n")
+    trl, width = statistics.median(runs["TRL GRPOTrainer"]), max(map(len, runs)) + 2
+    sys.stdout.write(f"{'':<{width}}{'median step s':>14}{'x TRL':>8}{'tokens':>8}   per round (step s / tokens)\n")
     for name, values in runs.items():
         med, lengths = statistics.median(values), tokens.get(name)
         column = f"{statistics.mean(lengths):>8.1f}" if lengths else f"{'-':>8}"
         rounds = " ".join(f"{v:.4f}" + (f"/{t:.1f}" if lengths else "") for v, t in zip(values, lengths or values))
-        sys.stdout.write(f"{name:<40}{med:>14.4f}{trl / med:>8.2f}{column}   {rounds}\n")
+        sys.stdout.write(f"{name:<{width}}{med:>14.4f}{trl / med:>8.2f}{column}   {rounds}\n")
     return 0
 
 

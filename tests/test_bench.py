@@ -179,3 +179,23 @@ def test_the_overlap_measurement_runs_each_mode_and_transport(tmp_path):
         assert r["batches"] == 2 and min(r["per_batch"]["push"]) > 0, name
         assert r["generate_s"] > 0 and r["train_s"] > 0 and 0 < r["push_share"] < 1, name
         assert name in run.stdout, run.stdout  # the printed table has a row for each run
+
+
+def test_the_trl_comparison_runs_the_readme_command_from_a_baseline_checkout(tmp_path, monkeypatch, capsys):
+    """``--baseline``: the README's command from another checkout (its launch/train.py and accelerate config, this
+    environment's accelerate, that checkout first on the path), timed as this one's; a folder without
+    launch/train.py is refused by name."""
+    import os
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    import trl_parity
+
+    command = trl_parity.readme_command("m", tmp_path / "out", 3, root=tmp_path)
+    assert command[0] == str(Path(sys.executable).parent / "accelerate")
+    assert command[3:5] == [str(tmp_path / "accelerate_configs" / "single_process.yaml"), str(tmp_path / "launch" / "train.py")]
+    result = trl_parity.command_side(2, 0, {**os.environ, "GRPO_ACCEL_THREADS": "1"}, None, root=ROOT)
+    assert result["step_s"] > 0 and 0 < result["completion_tokens_mean"] <= 32
+    with pytest.raises(SystemExit):
+        trl_parity.main(["--trl-python", sys.executable, "--baseline", str(tmp_path)])
+    assert f"--baseline {tmp_path}: no launch/train.py there" in capsys.readouterr().err
