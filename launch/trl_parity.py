@@ -95,27 +95,25 @@ def readme_command(model: str | Path, out: Path, batches: int, *overrides: str, 
 def command_side(steps: int, warmup: int, env: dict, model: str | None, root: Path = ROOT) -> dict:
     """The README's command on the work, from the checkout at ``root`` (its package first on the path): its median
     step from the wall times of its TensorBoard events."""
+    from grpo_accel.reporting.tracking import read_scalars
+
     with tempfile.TemporaryDirectory() as folder:
         model, out = model or tiny_model_folder(Path(folder) / "model"), Path(folder) / "run"
         subprocess.run(readme_command(model, out, warmup + steps + 1, root=root), env={**env, "PYTHONPATH": str(root)},
                        capture_output=True, check=True, cwd=root)
+        lengths = read_scalars(out / "tensorboard")["train/completion_length_mean"]
         return {"step_s": statistics.median(step_gaps(out / "tensorboard", warmup)),
-                "completion_tokens_mean": statistics.mean(_scalars(out / "tensorboard", "train/completion_length_mean"))}
+                "completion_tokens_mean": statistics.mean(v for _, v in lengths)}
 
 
 def step_gaps(log_dir: Path, warmup: int) -> list[float]:
     """Seconds between the logs of consecutive iterations (one log per iteration), after ``warmup`` of them."""
-    ends = [e.wall_time for e in _scalars(log_dir, "train/reward_mean", events=True)]
-    return [b - a for a, b in zip(ends[warmup:], ends[warmup + 1:])]
-
-
-def _scalars(log_dir: Path, tag: str, events: bool = False) -> list:
-    """A tag's values in a run's TensorBoard files, one per iteration (or its events, with their wall times)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
-    accumulator.Reload()
-    return [e if events else e.value for e in accumulator.Scalars(tag)]
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    ends = [e.wall_time for e in events.Scalars("train/reward_mean")]
+    return [b - a for a, b in zip(ends[warmup:], ends[warmup + 1:])]
 
 
 def main(argv: list[str] | None = None) -> int:
