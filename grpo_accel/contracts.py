@@ -9,7 +9,7 @@ the launcher call these members and nothing else (they never ask a part what it 
 | LossModule          | GRPOLoss                                      | the trainer, per micro-batch               |
 | OptimizationStepper | MixedPrecisionOptimizationStepper             | the trainer, per micro-batch               |
 | WeightSender        | EmbeddedWeightSync, SGLang's three senders    | the trainer, after optimising; on resume   |
-| Logger              | TensorBoardLogger                             | the trainer's reporter                     |
+| Logger              | TensorBoardLogger, Trackers (Accelerate's)    | the trainer's reporter                     |
 
 Where torchrl's specification takes a duck type, so does the trainer: a weight-sync sender with only
 ``update_weights()`` and a logger with only ``log_scalar()`` are wrapped once, at construction
@@ -226,7 +226,14 @@ class Logger(ABC):
             self.log_scalar(name, value, step)
 
     def log_text(self, name: str, text: str, step: int | None = None) -> None:
-        """Markdown text (completion samples); dropped unless the logger shows text."""
+        """Markdown text; dropped unless the logger shows text."""
+
+    def log_samples(self, rows: list[dict], step: int | None = None) -> None:
+        """Completion samples, one dict per completion with the same keys (prompt, completion, reward, each
+        reward function's value): a table where the logger has tables, else Markdown through :meth:`log_text`."""
+        from grpo_accel.reporting.metrics import samples_markdown
+
+        self.log_text("samples", samples_markdown(rows), step)
 
     def resume_at(self, step: int) -> None:
         """Training resumed after ``step``: what an interrupted run logged after it is dropped, where possible."""

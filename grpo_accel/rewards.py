@@ -64,12 +64,23 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def answer_match(prompts: list[str], completions: list[str], answer: list, **fields) -> list[float]:
-    """1.0 when the last number in the completion equals the row's ``answer`` numerically, else 0.0."""
+    """1.0 when the last number in the completion equals the row's ``answer`` numerically, else 0.0 (thousands'
+    commas read as people write them: "1,085" is 1085). The answer must be a number: a worked solution such as
+    GSM8K's is read with ``data.answer_format``."""
     out = []
     for text, expected in zip(completions, answer):
-        found = _NUMBER.findall(text)
-        out.append(float(bool(found) and float(found[-1]) == float(expected)))
+        gold = str(expected).replace(",", "").strip()
+        if not _NUMBER.fullmatch(gold):
+            raise ValueError(f"answer_match compares numbers, and the row's answer {str(expected)[-60:]!r} is not one; "
+                             "for worked solutions ending '#### N' set data.answer_format=gsm8k (\\boxed{N}: boxed), "
+                             "or use the math_answer reward")
+        found = _NUMBER.findall(_THOUSANDS.sub("", text))
+        out.append(float(bool(found) and float(found[-1]) == float(gold)))
     return out
+
+
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+"""A comma between digits followed by exactly three more: a thousands' separator ("1,085")."""
 
 
 def format_match(prompts: list[str], completions: list[str], pattern: str = r"-?\d+", **fields) -> list[float]:
@@ -107,6 +118,34 @@ def final_answer(text: str, last_number: bool = True) -> str | None:
             return found[-1].strip().rstrip(".").strip()
     numbers = _NUMBER.findall(text.replace(",", ""))
     return numbers[-1] if numbers and last_number else None
+
+
+ANSWER_FORMATS = ("plain", "gsm8k", "boxed")
+
+
+def reference_answer(text: str, answer_format: str) -> str:
+    """A dataset's reference answer as the reward functions compare it: ``plain`` keeps ``text`` (stripped);
+    ``gsm8k`` takes what follows the last "####" of a worked solution (GSM8K's ``answer`` column, e.g.
+    "... = 72 clips.\\n#### 72" -> "72"; thousands' commas dropped from a number: "#### 1,000" -> "1000");
+    ``boxed`` takes the last ``\\boxed{...}`` (MATH's solutions). Raises ValueError when the marker is missing.
+
+    Example:
+        >>> reference_answer("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\\n#### 72", "gsm8k")
+        '72'
+    """
+    if answer_format == "plain":
+        return str(text).strip()
+    if answer_format == "gsm8k":
+        marker = str(text).rfind("####")
+        if marker < 0:
+            raise ValueError("has no '####' before its final answer")
+        found = text[marker + 4:].strip()
+        return found.replace(",", "") if _NUMBER.fullmatch(found.replace(",", "")) else found
+    if answer_format == "boxed":
+        if (found := _last_boxed(str(text))) is None:
+            raise ValueError("has no \\boxed{...} answer")
+        return found
+    raise ValueError(f"answer_format={answer_format!r}: must be one of {list(ANSWER_FORMATS)}")
 
 
 def _last_boxed(text: str) -> str | None:

@@ -36,6 +36,7 @@ RULES: dict[str, Rule] = {
     "positive_count": _at_least(1),
     "non_negative_count": _at_least(0),
     "optional_count": _none_or_at_least(1, "no limit"),
+    "model_count": _none_or_at_least(1, "follows the model, grpo_accel.recipe.defaults"),
     # rollouts
     "group_size": Rule(lambda v: v >= 2, "GRPO compares completions within a group, so a group needs at least 2; "
                                          "use 2 or more (8-16 is common)"),

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from grpo_accel.recipe.loading import load_config
 from launching import ROOT, launch, run_in_group
 from trainer_utils import train_in_process
 
@@ -108,10 +109,12 @@ def test_an_error_of_ours_is_one_line_and_exit_code_2(tmp_path):
     assert "process group ready" not in proc.stderr
 
 
-TINY_MODEL_CONFIGS = sorted(p.name for p in (ROOT / "launch" / "configs").glob("*.yaml") if not p.name.startswith("smollm2"))
+TINY_MODEL_CONFIGS = sorted(p.name for p in (ROOT / "launch" / "configs").glob("*.yaml")
+                            if load_config(p).model.name_or_path is None)
 
 
-@pytest.mark.parametrize("config", TINY_MODEL_CONFIGS)  # the smollm2 recipe: test_the_smollm2_recipe_runs_end_to_end
+# the recipes naming a pretrained model: test_the_smollm2_recipe_runs_end_to_end, test_user_path's GSM8K recipe
+@pytest.mark.parametrize("config", TINY_MODEL_CONFIGS)
 def test_every_experiment_config_runs(tmp_path, config):
     """Each shipped config trained by launch/train.py in this process (launching a single process adds nothing
     the launched tests do not cover)."""

@@ -56,9 +56,9 @@ def build_trainer(cfg: GRPOConfig):
     from grpo_accel.deepspeed_config import preflight
     from grpo_accel.distributed import first_process, launch_world_size, make_accelerator
     from grpo_accel.recipe.loading import to_dict
+    from grpo_accel.recipe.defaults import unusual_settings
     from grpo_accel.recipe.parts import build_environment, build_policy, build_rewards, build_rows
     from grpo_accel.recipe.run_folder import data_fingerprints, start_point
-    from grpo_accel.reporting.tracking import TensorBoardLogger
     from grpo_accel.trainer import GRPOTrainer
 
     t, r, c = cfg.trainer, cfg.rollout, cfg.checkpoint
@@ -68,7 +68,8 @@ def build_trainer(cfg: GRPOConfig):
     checkpoint = Checkpoint(Path(cfg.output_dir) / "checkpoints", resume=c.resume,
                             names={"resume": "checkpoint.resume"})
     fingerprints = data_fingerprints(cfg.data)  # read once: a resume compares them, every checkpoint records them
-    start_point(cfg, checkpoint, fingerprints, first_process())
+    resume = start_point(cfg, checkpoint, fingerprints, first_process())
+    check_report_to(t.report_to)
     rows, held_out = build_rows(cfg.data)
     if cfg.eval.every_iterations and not held_out:
         raise ConfigError(f"eval.every_iterations={cfg.eval.every_iterations}: there are no held-out rows; set "
@@ -77,32 +78,70 @@ def build_trainer(cfg: GRPOConfig):
     rewards = build_rewards(cfg.rewards)  # a bad reward module or environment is refused before any process group
     environment = build_environment(r, cfg.data)
     tokenizer, model, reference = build_policy(cfg.model, with_reference=cfg.loss.kl_coef > 0, seed=t.seed)
+    if first_process():
+        for line in unusual_settings(cfg, sum(p.numel() for p in model.parameters())):
+            log.warning(line)
     accelerator = make_accelerator(t.gradient_accumulation_steps, t.mixed_precision)
+    trackers = open_run_trackers(cfg, resume) if accelerator.is_main_process else None
     log.info("process group ready: rank %d of %d (%s)", accelerator.process_index, accelerator.num_processes,
              accelerator.distributed_type.name)
     if accelerator.is_main_process:  # the start-up block once, not once per process
         log.info(layout.describe(micro_batch, t.gradient_accumulation_steps, t.num_epochs, t.optim_steps_per_batch))
     engine, sender = build_engine_and_sender(cfg, model, tokenizer, accelerator)
     collector = build_collector(cfg, engine, tokenizer, rows, rewards, environment, layout, accelerator.process_index)
+    optimizer = build_optimizer(cfg, model)
+    steps = t.total_frames // layout.completions * layout.optimizer_steps(micro_batch, t.gradient_accumulation_steps,
+                                                                           t.num_epochs, t.optim_steps_per_batch)
     trainer = GRPOTrainer(
         collector=collector, total_frames=t.total_frames, optim_steps_per_batch=t.optim_steps_per_batch,
-        loss_module=build_loss(cfg, model, reference), optimizer=build_optimizer(cfg, model),
+        loss_module=build_loss(cfg, model, reference), optimizer=optimizer,
+        lr_scheduler=build_scheduler(cfg.optim, optimizer, steps),
         weight_sync_sender=sender, weight_update_frequency=t.weight_update_frequency,
         async_collection=t.async_collection, max_staleness=t.max_staleness,
         empty_replay_buffer_on_weight_update=t.empty_replay_buffer_on_weight_update,
         batch_size=micro_batch, gradient_accumulation_steps=t.gradient_accumulation_steps,
         mixed_precision=t.mixed_precision != "no",
         autocast_dtype=torch.float16 if t.mixed_precision == "fp16" else torch.bfloat16,
-        logger=TensorBoardLogger(Path(cfg.output_dir) / "tensorboard") if accelerator.is_main_process else None,
+        logger=trackers,
         clip_norm=cfg.optim.clip_norm, progress_bar=t.progress_bar, seed=t.seed,
         log_interval=t.log_interval, num_epochs=t.num_epochs, log_timings=t.log_timings,
         log_rewards=t.log_rewards, log_kl=t.log_kl, log_samples=t.log_samples, accelerator=accelerator,
         checkpoint=checkpoint, save_trainer_interval=c.interval_frames, save_trainer_file=c.legacy_file,
         checkpoint_rotation=CheckpointRotation(c.keep_last, c.keep_best, c.best_metric, c.best_mode),
-        checkpoint_metadata=lambda: {"config": to_dict(cfg), "data": fingerprints},
+        checkpoint_metadata=lambda: {"config": to_dict(cfg), "data": fingerprints,
+                                     "trackers": trackers.run_ids() if trackers is not None else {}},
     )
     _register_hooks(trainer, cfg, engine, sender, tokenizer, held_out, rewards)
     return trainer
+
+
+def check_report_to(names: list[str]) -> None:
+    """Every tracker of trainer.report_to imports, before any process group (one line naming its install)."""
+    from grpo_accel.reporting.trackers import check_trackers
+
+    try:
+        check_trackers(names, {"report_to": "trainer.report_to"})
+    except (ImportError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def open_run_trackers(cfg: GRPOConfig, resume: Path | None):
+    """The trackers of ``trainer.report_to`` (None when empty), started with the resolved config as
+    hyperparameters, continuing the runs of the checkpoint resumed from."""
+    import json
+
+    from grpo_accel.checkpoint import Checkpoint
+    from grpo_accel.recipe.loading import flatten_keys, to_dict
+    from grpo_accel.reporting.trackers import open_trackers
+
+    t = cfg.trainer
+    if not t.report_to:
+        return None
+    ids = Checkpoint.read_metadata(resume)["user"].get("trackers", {}) if resume is not None else {}
+    config = {k: v if isinstance(v, (bool, int, float, str)) or v is None else json.dumps(v)
+              for k, v in flatten_keys(to_dict(cfg)).items()}
+    return open_trackers(t.report_to, cfg.output_dir, project=t.project, run_name=t.run_name or Path(cfg.output_dir).name,
+                         config=config, run_ids=ids, init_kwargs=t.tracker_kwargs)
 
 
 def _round_total_frames(t, layout: BatchLayout) -> None:
@@ -152,6 +191,21 @@ def build_optimizer(cfg: GRPOConfig, model):
     o = cfg.optim
     return torch.optim.AdamW(trainable_parameters(model), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
                              fused=True)
+
+
+SCHEDULERS = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+"""optim.scheduler -> the name of its schedule in ``transformers.get_scheduler`` (each with a linear warmup)."""
+
+
+def build_scheduler(o, optimizer, total_steps: int):
+    """The learning-rate schedule of ``o`` (an OptimConfig) over a run of ``total_steps`` optimizer steps, or
+    None for a constant rate without warmup."""
+    warmup = o.warmup(total_steps)
+    if o.scheduler == "constant" and not warmup:
+        return None
+    from transformers import get_scheduler
+
+    return get_scheduler(SCHEDULERS[o.scheduler], optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
 
 
 def _register_hooks(trainer, cfg: GRPOConfig, engine, sender, tokenizer, held_out, rewards) -> None:

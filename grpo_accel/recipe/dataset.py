@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from grpo_accel.data import DataError, check_messages
 
@@ -87,6 +87,43 @@ def rename_columns(rows: list[dict], rename: Mapping[str, str], where: str) -> l
         raise DataError(f"{where}: data.rename_columns names {missing}, which the rows lack (row 0 has "
                         f"{sorted(first)}); map existing columns, e.g. {{question: prompt}}.")
     return [{rename.get(k, k): v for k, v in row.items()} for row in rows]
+
+
+def transform_rows(rows: list[dict], transform: Callable[[dict], dict], name: str, where: str) -> list[dict]:
+    """Each row through ``transform`` (``data.row_transform``, called ``name``): it must return a dict."""
+    out = []
+    for i, row in enumerate(rows):
+        try:
+            new = transform(dict(row))
+        except Exception as exc:
+            raise DataError(f"{where}: data.row_transform={name!r} failed on row {i} ({type(exc).__name__}: {exc}); "
+                            "fix the function.") from exc
+        if not isinstance(new, dict):
+            raise DataError(f"{where}: data.row_transform={name!r} returned {type(new).__name__} for row {i}; it must "
+                            "return the row as a dict.")
+        out.append(new)
+    return out
+
+
+def extract_answers(rows: list[dict], field: str, answer_format: str, where: str) -> list[dict]:
+    """Rows whose ``field`` holds the reference answer alone (:func:`grpo_accel.rewards.reference_answer` of
+    ``answer_format``); "plain" leaves the rows as they are."""
+    from grpo_accel.rewards import reference_answer
+
+    if answer_format == "plain":
+        return rows
+    out = []
+    for i, row in enumerate(rows):
+        if field not in row:
+            raise DataError(f"{where}: row {i} has no answer column {field!r} (its fields: {sorted(row)}) for "
+                            f"data.answer_format={answer_format}; set data.answer_field to the column holding it.")
+        try:
+            out.append({**row, field: reference_answer(row[field], answer_format)})
+        except ValueError as exc:
+            raise DataError(f"{where}: row {i} column {field!r} ({str(row[field])[-80:]!r}) {exc}, which "
+                            f"data.answer_format={answer_format} reads; choose the format the column is written in "
+                            "(plain, gsm8k, boxed) or a data.row_transform.") from None
+    return out
 
 
 def validate_rows(rows: list[dict], prompt_field: str, source: str) -> list[dict]:

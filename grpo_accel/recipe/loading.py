@@ -19,6 +19,7 @@ import yaml
 from grpo_accel.recipe.checks import ConfigError, check_key
 from grpo_accel.recipe.rollout_schema import RewardConfig
 from grpo_accel.recipe.schema import GRPOConfig
+from grpo_accel.recipe.trl_names import trl_hint
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> GRPOConfig:
@@ -83,7 +84,8 @@ def _build(cls, data: Any, prefix: str):
             new = RENAMED[f"{prefix}{key}"]
             raise ConfigError(f"{prefix}{key}: renamed {new} (the same setting); write {new} instead.")
         if key not in names:
-            raise ConfigError(f"{prefix}{key}: unknown key; valid keys under {prefix.rstrip('.') or 'the top level'}: {names}.")
+            raise ConfigError(f"{prefix}{key}: unknown key;{trl_hint(key) or ''} valid keys under "
+                              f"{prefix.rstrip('.') or 'the top level'}: {names}.")
     try:
         return cls(**{key: _coerce(value, hints[key], f"{prefix}{key}") for key, value in data.items()})
     except TypeError as exc:
@@ -128,7 +130,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         check_key(isinstance(value, (int, float)) and not isinstance(value, bool), key, value, "must be a number.")
         return float(value)
     if tp is str:
-        check_key(isinstance(value, str), key, value, "must be a string.")
+        check_key(isinstance(value, str), key, value, "must be a string." + (
+            " YAML reads no/yes/on/off as false/true: quote it, e.g. 'no'." if isinstance(value, bool) else ""))
         return value
     return value
 

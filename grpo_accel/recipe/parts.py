@@ -8,7 +8,7 @@ import importlib
 from pathlib import Path
 
 from grpo_accel.recipe.checks import ConfigError
-from grpo_accel.recipe.dataset import load_rows, validate_rows
+from grpo_accel.recipe.dataset import extract_answers, load_rows, transform_rows, validate_rows
 from grpo_accel.recipe.rollout_schema import RewardConfig, RolloutConfig
 from grpo_accel.recipe.schema import DataConfig, LoraConfig, ModelConfig
 from grpo_accel.rewards import BUILTIN_REWARDS, RewardSet, is_async_reward
@@ -92,21 +92,32 @@ def _looks_like_a_path(name: str) -> bool:
 
 
 def build_rows(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
-    """(training rows, held-out rows), validated; a built-in task when ``path`` is None."""
+    """(training rows, held-out rows), validated; a built-in task when ``path`` is None. A dataset's rows go
+    through ``row_transform`` and ``answer_format`` (:func:`prepare_rows`)."""
     if cfg.path is None:
         train, held_out = _builtin_task(cfg)
         train = validate_rows(train, "prompt", f"built-in {cfg.task} task")
     else:
-        train = load_rows(cfg.path, name=cfg.name, split=cfg.split, rename=cfg.rename_columns)
-        train, held_out = validate_rows(train, cfg.prompt_field, f"data.path={cfg.path!r}"), []
+        where = f"data.path={cfg.path!r}"
+        train = prepare_rows(load_rows(cfg.path, name=cfg.name, split=cfg.split, rename=cfg.rename_columns), cfg, where)
+        held_out = []
     if cfg.eval_path is not None or cfg.eval_split is not None:
         path, key = (cfg.eval_path, "data.eval_path") if cfg.eval_path is not None else (cfg.path, "data.path")
         if path is None:
             raise ConfigError(f"data.eval_split={cfg.eval_split!r}: the built-in task has no splits; set data.holdout.")
         split = cfg.eval_split or "train"
         held_out = load_rows(path, name=cfg.name, split=split, rename=cfg.rename_columns, key=key)
-        held_out = validate_rows(held_out, cfg.prompt_field, f"{key}={path!r} (split {split!r})")
+        held_out = prepare_rows(held_out, cfg, f"{key}={path!r} (split {split!r})")
     return train, held_out
+
+
+def prepare_rows(rows: list[dict], cfg: DataConfig, where: str) -> list[dict]:
+    """A dataset's rows through ``data.row_transform`` and ``data.answer_format``, then validated."""
+    if cfg.row_transform is not None:
+        transform = import_named(cfg.row_transform, f"data.row_transform={cfg.row_transform!r}", [], "function")
+        rows = transform_rows(rows, transform, cfg.row_transform, where)
+    rows = extract_answers(rows, cfg.answer_field, cfg.answer_format, where)
+    return validate_rows(rows, cfg.prompt_field, where)
 
 
 def _builtin_task(cfg: DataConfig) -> tuple[list[dict], list[dict]]:

@@ -33,10 +33,12 @@ class RolloutConfig:
     """Prompts per collected batch, over all processes."""
     group_size: int = 8
     """Completions sampled per prompt (GRPO's G); at least 2."""
-    max_new_tokens: int = 4
-    """Completion budget in tokens; longer completions finish with reason "length"."""
-    max_prompt_tokens: int = 64
-    """A longer prompt (after the chat template) is an error that names its dataset row."""
+    max_new_tokens: int | None = None
+    """Completion budget in tokens; longer completions finish with reason "length". null follows the model: 256 for
+    a model named by model.name_or_path (TRL's default), 4 for the built-in tiny one."""
+    max_prompt_tokens: int | None = None
+    """A longer prompt (after the chat template) is an error that names its dataset row. null follows the model:
+    512 for a model named by model.name_or_path, 64 for the built-in tiny one."""
     temperature: float = 1.0
     """Sampling temperature; the loss divides logits by the same value."""
     top_p: float = 1.0
@@ -78,7 +80,7 @@ class RolloutConfig:
         check_key(self.backend != "sglang" or bool(self.urls), "rollout.urls", self.urls,
                   "rollout.backend=sglang needs the server URLs, e.g. rollout.urls=[http://host:30000].")
         check_rules("rollout", self, group_size="group_size", prompts_per_batch="positive_count",
-                    max_new_tokens="positive_count", max_prompt_tokens="positive_count", temperature="temperature",
+                    max_new_tokens="model_count", max_prompt_tokens="model_count", temperature="temperature",
                     top_p="top_p", top_k="top_k", max_extra_rounds="non_negative_count", max_turns="max_turns",
                     max_episode_tokens="optional_count", tool_timeout_s="seconds", request_size="positive_count",
                     request_timeout_s="seconds", request_retries="non_negative_count")

@@ -16,6 +16,7 @@ import typing
 from dataclasses import dataclass, field
 
 from grpo_accel.recipe.checks import check_choice, check_key, check_rules
+from grpo_accel.recipe.defaults import fill_model_defaults
 from grpo_accel.recipe.rollout_schema import RewardConfig, RolloutConfig, WeightSyncConfig
 from grpo_accel.rules import TRAINING_DTYPES
 from grpo_accel.tasks import BUILTIN_TASKS
@@ -88,6 +89,15 @@ class DataConfig:
     """Held-out rows for evaluation, in any form data.path takes (the built-in task uses holdout instead)."""
     eval_split: str | None = None
     """Split of the held-out rows: of eval_path if set, else of path (e.g. test)."""
+    answer_field: str = "answer"
+    """Column holding each row's reference answer (the reward functions get it under this name)."""
+    answer_format: str = "plain"
+    """How that column is written: plain (the answer itself), gsm8k (a worked solution ending "#### 72": the text
+    after the last ####) or boxed (a solution whose last \\boxed{...} holds it, as MATH's); applied to training and
+    held-out rows."""
+    row_transform: str | None = None
+    """"package.module:function" called on every row (a dict, after rename_columns, before answer_format) that
+    returns the row to train on: for layouts the settings above do not cover."""
     task: str = "addition"
     """Built-in task when path is None: addition ("3+4=", for the tiny model), chat_arithmetic (two-digit sums
     and differences asked as chat messages, for a pretrained chat model) or calculator (products "What is
@@ -99,6 +109,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_choice("data.task", self.task, tuple(BUILTIN_TASKS))
+        check_choice("data.answer_format", self.answer_format, ("plain", "gsm8k", "boxed"))
         check_rules("data", self, max_operand="positive_count")
         if self.task == "addition":
             check_key(0 <= self.holdout < (self.max_operand + 1) ** 2, "data.holdout", self.holdout,
@@ -144,20 +155,41 @@ class LossConfig:
         check_choice("loss.importance_level", self.importance_level, tuple(IMPORTANCE_LEVELS))
 
 
+SCHEDULERS = ("constant", "linear", "cosine")
+
+
 @dataclass
 class OptimConfig:
-    lr: float = 3e-4
-    """AdamW learning rate."""
+    lr: float | None = None
+    """AdamW learning rate (the peak, after warmup); null follows the model: 1e-6 for a model named by
+    model.name_or_path (TRL's default), 3e-4 for the built-in tiny one (grpo_accel.recipe.defaults)."""
     weight_decay: float = 0.0
     """AdamW weight decay (decoupled)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
     """AdamW betas: the gradient and squared-gradient moving averages."""
     clip_norm: float | None = 1.0
     """Gradient clipping norm; null turns it off."""
+    scheduler: str = "constant"
+    """Learning rate after warmup, over the run's optimizer steps: constant, linear (down to 0 at the last step) or
+    cosine (half a cosine down to 0 at the last step)."""
+    warmup_steps: int = 0
+    """Optimizer steps over which the learning rate rises linearly from 0 to optim.lr (0: none)."""
+    warmup_ratio: float = 0.0
+    """Warmup as a share of the run's optimizer steps (e.g. 0.1); give warmup_steps or warmup_ratio, not both."""
 
     def __post_init__(self) -> None:
-        check_key(self.lr > 0, "optim.lr", self.lr, "must be > 0.")
+        check_key(self.lr is None or self.lr > 0, "optim.lr", self.lr, "must be > 0.")
         check_key(len(self.betas) == 2, "optim.betas", self.betas, "give two values, e.g. [0.9, 0.99].")
+        check_choice("optim.scheduler", self.scheduler, SCHEDULERS)
+        check_rules("optim", self, warmup_steps="non_negative_count")
+        check_key(0 <= self.warmup_ratio < 1, "optim.warmup_ratio", self.warmup_ratio,
+                  "use a share of the run's optimizer steps in [0, 1), e.g. 0.1.")
+        check_key(not (self.warmup_steps and self.warmup_ratio), "optim.warmup_ratio", self.warmup_ratio,
+                  f"optim.warmup_steps={self.warmup_steps} is set too; give one of them (the other 0).")
+
+    def warmup(self, total_steps: int) -> int:
+        """Warmup in optimizer steps for a run of ``total_steps``."""
+        return self.warmup_steps or round(self.warmup_ratio * total_steps)
 
 
 @dataclass
@@ -196,7 +228,19 @@ class GRPOTrainerConfig:
     log_kl: bool = True
     """Log the KL and KL-estimator scalars (false drops every scalar with "kl" in its name)."""
     log_samples: int = 3
-    """Completions written to TensorBoard as text at each log (prompt, completion, rewards); 0: none."""
+    """Completions logged at each log (prompt, completion, rewards): a table in W&B, MLflow and Trackio, text in
+    TensorBoard; 0: none."""
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Experiment trackers, as Accelerate's log_with names them (TRL's report_to): tensorboard, wandb, mlflow,
+    trackio, comet_ml, aim, clearml, dvclive, swanlab; [] for none. Each gets every logged scalar, the resolved
+    config as hyperparameters, and samples; wandb, mlflow and trackio continue their run on a resume."""
+    project: str = "grpo_accel"
+    """Trackers' project (W&B and Trackio project, MLflow experiment)."""
+    run_name: str | None = None
+    """Trackers' run name; null: the name of output_dir's folder."""
+    tracker_kwargs: dict = field(default_factory=dict)
+    """Each tracker's own start-up arguments, e.g. {wandb: {entity: my-team, tags: [grpo]}} (Accelerate's
+    init_kwargs)."""
 
     def __post_init__(self) -> None:
         check_rules("trainer", self, total_frames="positive_count", num_epochs="positive_count",
@@ -206,6 +250,14 @@ class GRPOTrainerConfig:
         check_key(self.micro_batch_completions == "auto" or self.micro_batch_completions >= 1,
                   "trainer.micro_batch_completions", self.micro_batch_completions, "must be >= 1 or auto.")
         check_choice("trainer.mixed_precision", self.mixed_precision, ("no", "bf16", "fp16"))
+        from grpo_accel.reporting.trackers import TRACKERS
+
+        for name in self.report_to:
+            check_choice(f"trainer.report_to[{name!r}]", name, TRACKERS)
+        check_key(len(set(self.report_to)) == len(self.report_to), "trainer.report_to", self.report_to,
+                  "name each tracker once.")
+        check_key(set(self.tracker_kwargs) <= set(self.report_to), "trainer.tracker_kwargs", self.tracker_kwargs,
+                  f"give arguments only for trackers in trainer.report_to={self.report_to}.")
 
 
 @dataclass
@@ -264,6 +316,7 @@ class GRPOConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
     def __post_init__(self) -> None:
+        fill_model_defaults(self)  # null settings that follow the model: grpo_accel.recipe.defaults
         check_key(bool(self.rewards), "rewards", self.rewards, "list at least one reward function.")
         names = [r.name for r in self.rewards]
         check_key(len(set(names)) == len(names), "rewards", names, "each reward function may appear once.")

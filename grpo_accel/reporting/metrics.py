@@ -78,19 +78,28 @@ def episode_scalars(columns: torch.Tensor) -> dict[str, float]:
             "episode/model_token_fraction": float(model.sum() / tokens.sum().clamp(min=1))}
 
 
-def completion_samples(rollout: TensorDict, tokenizer, n: int) -> str:
-    """``n`` rows of ``rollout`` from different groups as Markdown: reward, each reward function's value, the
-    prompt as the model read it (special tokens shown) and the completion as the reward functions read it."""
+def sample_rows(rollout: TensorDict, tokenizer, n: int) -> list[dict]:
+    """``n`` rows of ``rollout`` from different groups: the prompt as the model read it (special tokens shown), the
+    completion as the reward functions read it, the reward and each reward function's value."""
     rows = range(0, rollout.shape[0], max(1, rollout.shape[0] // n))[:n]
     names = list(rollout[batch.REWARDS].keys())
-    parts = []
+    out = []
     for i in rows:
         prompt = tokenizer.decode(rollout[batch.PROMPT_IDS][i][rollout[batch.PROMPT_MASK][i].bool()])
         completion = tokenizer.decode(rollout[batch.COMPLETION_IDS][i][rollout[batch.COMPLETION_MASK][i].bool()],
                                       skip_special_tokens=True)
-        terms = ", ".join(f"{name} {float(rollout[batch.REWARDS, name][i]):.3g}" for name in names)
-        parts.append(f"**reward {float(rollout[batch.REWARD][i]):.3g}** ({terms})\n\nprompt:\n\n{_code(prompt)}\n\n"
-                     f"completion:\n\n{_code(completion)}")
+        out.append({"prompt": prompt, "completion": completion, "reward": float(rollout[batch.REWARD][i]),
+                    **{name: float(rollout[batch.REWARDS, name][i]) for name in names}})
+    return out
+
+
+def samples_markdown(rows: list[dict]) -> str:
+    """:func:`sample_rows` as Markdown: the reward and each function's value, then prompt and completion as code."""
+    parts = []
+    for row in rows:
+        terms = ", ".join(f"{k} {v:.3g}" for k, v in row.items() if k not in ("prompt", "completion", "reward"))
+        parts.append(f"**reward {row['reward']:.3g}** ({terms})\n\nprompt:\n\n{_code(row['prompt'])}\n\n"
+                     f"completion:\n\n{_code(row['completion'])}")
     return "\n\n---\n\n".join(parts)
 
 

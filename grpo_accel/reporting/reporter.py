@@ -17,7 +17,7 @@ from typing import Callable
 from tensordict import TensorDict
 
 from grpo_accel import batch
-from grpo_accel.reporting.metrics import completion_samples, mean_over_processes, rollout_scalars
+from grpo_accel.reporting.metrics import mean_over_processes, rollout_scalars, sample_rows
 
 log = logging.getLogger(__name__)
 PROGRESS_LINE_S = 10.0
@@ -129,8 +129,8 @@ class Reporter:
             self.logger.log_scalars(scalars, step)
 
     def _log_samples(self, rollout: TensorDict, step: int) -> None:
-        """A few of this batch's completions as text (main process's rows), when the logger takes text."""
+        """A few of this batch's completions (main process's rows): a table or text, as the logger takes them."""
         n = self.settings.log_samples
         if (n and self.tokenizer is not None and self.logger is not None
                 and self.accelerator.is_main_process and rollout.numel()):
-            self.logger.log_text("samples", completion_samples(rollout, tokenizer=self.tokenizer, n=n), step)
+            self.logger.log_samples(sample_rows(rollout, tokenizer=self.tokenizer, n=n), step)

@@ -1,4 +1,5 @@
-"""TensorBoard: the logger (a :class:`~grpo_accel.contracts.Logger`) and readers of what it wrote."""
+"""TensorBoard: the logger (a :class:`~grpo_accel.contracts.Logger`, and Accelerate's ``GeneralTracker`` named
+"tensorboard" for :class:`~grpo_accel.reporting.trackers.Trackers`) and readers of what it wrote."""
 from __future__ import annotations
 
 import itertools
@@ -8,10 +9,12 @@ import struct
 import time
 from pathlib import Path
 
+from accelerate.tracking import GeneralTracker
+
 from grpo_accel.contracts import Logger
 
 
-class TensorBoardLogger(Logger):
+class TensorBoardLogger(Logger, GeneralTracker):
     """Writes scalars as TensorBoard event files under ``log_dir`` (``tensorboard --logdir`` shows them).
 
     The scalars of one step go out as one event (a summary with a value per tag), written in the calling thread
@@ -25,7 +28,11 @@ class TensorBoardLogger(Logger):
         >>> logger.log_text("samples", "**reward 1.0** ...", step=3)
     """
 
+    name = "tensorboard"  # Accelerate's tracker interface: what trainer.report_to calls it
+    requires_logging_directory = True
+
     def __init__(self, log_dir: str | Path) -> None:
+        GeneralTracker.__init__(self)
         self.log_dir = Path(log_dir)
         self._file: EventFile | None = None
         self._purge_step: int | None = None
@@ -57,6 +64,25 @@ class TensorBoardLogger(Logger):
         from torch.utils.tensorboard.summary import text as text_summary
 
         self._open().write_summary(text_summary(name, text), step)
+
+    # Accelerate's GeneralTracker interface, as Trackers calls it
+    @property
+    def tracker(self) -> "TensorBoardLogger":
+        return self
+
+    def log(self, values: dict, step: int | None = None, **kwargs) -> None:
+        self.log_scalars(values, step)
+
+    def store_init_configuration(self, values: dict) -> None:
+        """The run's settings (flat ``key -> value``) in TensorBoard's HPARAMS tab."""
+        from torch.utils.tensorboard.summary import hparams
+
+        for summary in hparams({k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in values.items()},
+                               {}):
+            self._open().write_summary(summary, 0)
+
+    def finish(self) -> None:
+        self.close()
 
     def flush(self) -> None:
         if self._file is not None:

@@ -50,7 +50,8 @@ class GRPOTrainer:
     ``batch_size`` defaults to the process's share over ``gradient_accumulation_steps`` (one optimizer step per
     epoch). Beyond the spec: ``accelerator`` (use this one instead of creating one), ``max_staleness`` (async
     mode: batches generated with weights more than this many pushes old are dropped; None keeps all) and
-    ``log_samples`` (completions logged as text per log).
+    ``log_samples`` (completions logged as text per log) and ``lr_scheduler`` (a torch LR scheduler over
+    ``optimizer``, stepped once per optimizer step and saved with the checkpoints).
 
     Example:
         >>> trainer = GRPOTrainer(collector=collector, total_frames=12_800, loss_module=GRPOLoss(model),
@@ -74,7 +75,7 @@ class GRPOTrainer:
         checkpoint: Checkpoint | None = None, checkpoint_rotation=None,
         checkpoint_metadata: Callable[[], dict] | None = None, num_epochs: int = 1, async_collection: bool = False,
         log_timings: bool = False, auto_log_optim_steps: bool = True, log_rewards: bool = True, log_kl: bool = True,
-        *, accelerator=None, max_staleness: int | None = 1, log_samples: int = 3,
+        *, accelerator=None, max_staleness: int | None = 1, log_samples: int = 3, lr_scheduler=None,
     ) -> None:
         args = {name: value for name, value in locals().items() if name != "self"}
         check_arguments(args)
@@ -101,6 +102,12 @@ class GRPOTrainer:
         self.loss_module, self.stepper.optimizer = acc.prepare(loss_module, self.stepper.optimizer)
         self.unwrapped_loss = acc.unwrap_model(self.loss_module)  # kept: ~1 ms a call (Accelerate reads metadata)
         self.stepper.bind(acc, self.loss_module)
+        # Stepped once per optimizer step here, not prepared: Accelerate's wrapper steps it once per process (its
+        # unit is a sharded data loader's batch) and DeepSpeed's engine would step it inside backward.
+        self.lr_scheduler = lr_scheduler
+        if lr_scheduler is not None:
+            acc.register_for_checkpointing(lr_scheduler)  # saved and restored with the accelerator's state
+        self.lr = self.optimizer.param_groups[0]["lr"]  # the rate of the last optimizer step (logged as train/lr)
         self.device = torch.device(device) if device is not None else acc.device
         self.checkpoint, self.save_trainer_interval = checkpoint, save_trainer_interval
         self._files = TrainerFiles(acc, checkpoint, checkpoint_rotation, checkpoint_metadata, save_trainer_file)
@@ -307,6 +314,9 @@ class GRPOTrainer:
             for key in out.keys():
                 stats[key] += float(out[key].detach().float()) * share
         self.optim_steps += 1
+        self.lr = self.optimizer.param_groups[0]["lr"]
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()  # the rate of the next optimizer step
         return dict(stats)
 
     def _update_weights(self) -> None:
@@ -329,6 +339,9 @@ class GRPOTrainer:
         state = self._files.load_folder(path, module_signature(self.unwrapped_loss), strict)
         if state is not None:
             self.load_state_dict(state)
+        if self.lr_scheduler is not None:  # DeepSpeed's optimizer state need not carry the rate: the schedule's own
+            for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
+                group["lr"] = lr
         self._saved_at = self.iterations
         if self.logger is not None:
             self.logger.resume_at(self.iterations)
@@ -343,7 +356,7 @@ class GRPOTrainer:
     # --------------------------------------------------------------------------------------- reporting
 
     def _log(self, rollout: TensorDict, stats: dict[str, float]) -> None:
-        counters = {"frames": self.frames, "lr": self.optimizer.param_groups[0]["lr"], "optim_steps": self.optim_steps}
+        counters = {"frames": self.frames, "lr": self.lr, "optim_steps": self.optim_steps}
         if self.async_collection:
             counters.update(staleness=self._staleness, dropped_batches=self.dropped_batches)
         self.reporter.log_iteration(rollout, stats, counters, self.iterations, self.frames >= self.total_frames,
