@@ -77,6 +77,30 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_straight_run(tmp_path, s
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_warmup_and_cosine_run_killed_after_a_checkpoint_resumes_to_the_straight_run(tmp_path, straight, never):
+    """ZeRO-3 again, under a learning-rate schedule (2 warmup steps, then cosine over the 4): the schedule's state
+    comes back with the checkpoint, so the resumed steps 3-4 use the rates the straight run used."""
+    schedule = ["optim.scheduler=cosine", "optim.warmup_steps=2"]
+    straight_out = tmp_path / "straight"
+    common = [f"trainer.total_frames={4 * BATCH}", *BASE, f"checkpoint.interval_frames={2 * BATCH}", never, *schedule]
+    launch("zero3.yaml", [f"output_dir={straight_out}", *common])
+    killed = tmp_path / "killed"
+    shutil.copytree(straight_out, killed)
+    shutil.rmtree(killed / "checkpoints" / "step_00000004")
+    proc = launch("zero3.yaml", [f"output_dir={killed}", "checkpoint.resume=auto", *common])
+    assert "at iteration 2" in proc.stderr
+    from grpo_accel.reporting.tracking import read_scalars
+
+    lrs = [v for _, v in read_scalars(straight_out / "tensorboard")["train/lr"]]
+    assert lrs == pytest.approx([0.0, 1.5e-4, 3e-4, 1.5e-4], rel=1e-6)  # warmup, then cos at 0 and 1/2 of 2 steps
+    assert read_scalars(killed / "tensorboard")["train/lr"] == read_scalars(straight_out / "tensorboard")["train/lr"]
+    assert curves(killed) == curves(straight_out)
+    a, b = final_policy(straight_out), final_policy(killed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    constant = final_policy(straight("zero3.yaml"))  # DeepSpeed's optimizer took the schedule's rates
+    assert not all(torch.equal(a[k], constant[k]) for k in a)
+
+
 def test_sigterm_on_one_rank_checkpoints_every_rank_and_exits_zero(tmp_path, straight):
     run = tmp_path / "run"
     rewards = signal_rewards(tmp_path / "fired")

@@ -141,7 +141,7 @@ def open_run_trackers(cfg: GRPOConfig, resume: Path | None):
     config = {k: v if isinstance(v, (bool, int, float, str)) or v is None else json.dumps(v)
               for k, v in flatten_keys(to_dict(cfg)).items()}
     return open_trackers(t.report_to, cfg.output_dir, project=t.project, run_name=t.run_name or Path(cfg.output_dir).name,
-                         config=config, run_ids=ids, init_kwargs=t.tracker_kwargs)
+                         config=config, resuming=resume is not None, run_ids=ids, init_kwargs=t.tracker_kwargs)
 
 
 def _round_total_frames(t, layout: BatchLayout) -> None:

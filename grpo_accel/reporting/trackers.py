@@ -47,11 +47,11 @@ def check_trackers(names: list[str], setting_names: Mapping[str, str] | None = N
 
 
 def open_trackers(names: list[str], output_dir: str | Path, *, project: str, run_name: str,
-                  config: Mapping[str, Any] | None = None, run_ids: Mapping[str, str] | None = None,
-                  init_kwargs: Mapping[str, dict] | None = None) -> "Trackers":
+                  config: Mapping[str, Any] | None = None, resuming: bool = False,
+                  run_ids: Mapping[str, str] | None = None, init_kwargs: Mapping[str, dict] | None = None) -> "Trackers":
     """The started trackers ``names`` of a run writing into ``output_dir`` (TensorBoard's event files go to its
-    tensorboard/, W&B's files to its wandb/), holding ``config`` (flat settings) as hyperparameters; ``run_ids``
-    (:meth:`Trackers.run_ids` of the checkpoint a run resumes) continue those runs, which hold their
+    tensorboard/, W&B's files to its wandb/), holding ``config`` (flat settings) as hyperparameters. When ``resuming``,
+    ``run_ids`` (:meth:`Trackers.run_ids` of the checkpoint resumed from) continue those runs, which hold their
     hyperparameters already (W&B and Trackio are given them again: they replace a resumed run's); ``init_kwargs``
     adds each tracker's own keyword arguments (e.g. ``{"wandb": {"entity": "team"}}``). Call it on the main
     process."""
@@ -83,7 +83,7 @@ def open_trackers(names: list[str], output_dir: str | Path, *, project: str, run
             tracker = cls(project, str(out), **kwargs) if cls.requires_logging_directory else cls(project, **kwargs)
         try:
             tracker.start()
-            if config and not at_start and not ids:
+            if config and not at_start and not resuming:
                 tracker.store_init_configuration(config)
         except Exception as exc:  # e.g. MLflow refusing its tracking URI: one line, the trackers started closed
             Trackers(trackers).close()

@@ -35,19 +35,27 @@ class TensorBoardLogger(Logger, GeneralTracker):
         GeneralTracker.__init__(self)
         self.log_dir = Path(log_dir)
         self._file: EventFile | None = None
-        self._purge_step: int | None = None
+        self._pending: list = []  # events written when the file opens, at the first point (the folder appears then)
 
     def resume_at(self, step: int) -> None:
-        """Training resumed after ``step``: points logged after it by the interrupted run are dropped."""
-        self._purge_step = step + 1
+        """Training resumed after ``step``: points logged after it by the interrupted run are dropped (a restart
+        marker: TensorBoard drops the points at and after ``step + 1`` written before it)."""
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        self._write(Event(step=step + 1, session_log=SessionLog(status=SessionLog.START)))
+
+    def _write(self, event) -> None:
+        if self._file is None:
+            self._pending.append(event)
+        else:
+            self._file.write(event)
 
     def _open(self) -> "EventFile":
         if self._file is None:
             self._file = EventFile(self.log_dir)
-            if self._purge_step is not None:  # a restart marker: TensorBoard drops the points at and after the step
-                from tensorboard.compat.proto.event_pb2 import Event, SessionLog
-
-                self._file.write(Event(step=self._purge_step, session_log=SessionLog(status=SessionLog.START)))
+            for event in self._pending:
+                self._file.write(event)
+            self._pending = []
         return self._file
 
     def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
@@ -77,9 +85,11 @@ class TensorBoardLogger(Logger, GeneralTracker):
         """The run's settings (flat ``key -> value``) in TensorBoard's HPARAMS tab."""
         from torch.utils.tensorboard.summary import hparams
 
+        from tensorboard.compat.proto.event_pb2 import Event
+
         for summary in hparams({k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in values.items()},
                                {}):
-            self._open().write_summary(summary, 0)
+            self._write(Event(wall_time=time.time(), step=0, summary=summary))
 
     def finish(self) -> None:
         self.close()
