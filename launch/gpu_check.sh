@@ -3,6 +3,8 @@
 #
 #   bash launch/gpu_check.sh bench [out.json]   # the benchmark on a ~0.5B built-in Llama in bf16 (no installs)
 #   bash launch/gpu_check.sh sglang             # real SGLang: install, serve SmolLM2-135M-Instruct, train, compare
+#   bash launch/gpu_check.sh gsm8k [out_dir]    # launch/configs/gsm8k.yaml for 30 batches (needs the hub, or
+#                                               # MODEL=folder DATA=gsm8k-layout.jsonl; evaluation off)
 #
 # sglang: makes .venv-sglang with sglang==${SGLANG_VERSION:-0.5.23} (it pins its own CUDA torch) and grpo_accel,
 # converts SmolLM2-135M-Instruct (python -m grpo_accel.models), starts a server with
@@ -23,7 +25,18 @@ if [ "$mode" = bench ]; then
   exec "$python" launch/bench.py --size 500m --dtype bfloat16 --steps 3 --warmup 1 --prompts 16 --group 8 \
     --max-new-tokens 128 --micro-batch 32 --fixed-length --out "${2:-gpu_bench.json}"
 fi
-[ "$mode" = sglang ] || { echo "usage: bash launch/gpu_check.sh bench|sglang" >&2; exit 2; }
+if [ "$mode" = gsm8k ]; then
+  "$python" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
+  out=${2:-runs/gpu_check/gsm8k}
+  "$python" -m accelerate.commands.launch --config_file accelerate_configs/single_process.yaml launch/train.py \
+    --config launch/configs/gsm8k.yaml output_dir="$out" overwrite=true trainer.total_frames=3840 \
+    eval.every_iterations=0 checkpoint.interval_frames=null trainer.progress_bar=false \
+    ${MODEL:+model.name_or_path=$MODEL} ${DATA:+data.path=$DATA} ${DATA:+data.eval_split=null}
+  exec "$python" -c "import json, sys; s = json.load(open(sys.argv[1])); print('PASS' if s['iterations'] == 30 else 'FAIL', \
+    'gsm8k recipe:', s['iterations'], 'batches in', s['wall_time_s'], 's, reward', round(s['reward_first10_mean'], 3), \
+    '->', round(s['reward_last10_mean'], 3))" "$out/summary.json"
+fi
+[ "$mode" = sglang ] || { echo "usage: bash launch/gpu_check.sh bench|sglang|gsm8k" >&2; exit 2; }
 
 verdict() { printf '%-4s  %s\n' "$1" "$2"; }
 gpus=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)

@@ -34,6 +34,12 @@ ELSEWHERE = {  # how a command starts -> why it does not run in this suite, and 
     "bash launch/gpu_check.sh": "needs a GPU; tests/test_bench.py checks that it refuses without one",
     ".venv/bin/python -m grpo_accel.models smollm2-135m": "downloads 93 MB; tests/conftest.py's smollm2 fixture "
         "runs the same conversion once per machine",
+    ".venv/bin/accelerate launch --config_file accelerate_configs/single_process.yaml launch/train.py "
+    "model.name_or_path=Qwen/": "a hub model and a file of the user's; tests/test_user_path.py trains SmolLM2 on a "
+        "file given this way",
+    ".venv/bin/accelerate launch --config_file accelerate_configs/single_process.yaml launch/train.py --config "
+    "launch/configs/gsm8k.yaml": "needs the hub (Qwen2.5-0.5B-Instruct, openai/gsm8k) and a GPU; "
+        "tests/test_user_path.py runs the file on SmolLM2 and GSM8K-layout rows at a tiny scale",
     ".venv/bin/accelerate launch --config_file accelerate_configs/single_process.yaml launch/train.py --config "
     "launch/configs/smollm2_arithmetic.yaml": "40 minutes; tests/test_launch.py runs the recipe's path on the real "
         "model at a tiny scale",
