@@ -60,6 +60,12 @@ def clipped_surrogate(
     return -torch.minimum(unclipped, clipped), is_clipped
 
 
+def without_truncated(mask: Tensor, finish_reason: Tensor) -> Tensor:  # [N, T], [N] -> [N, T]
+    """DAPO's overlong filtering (TRL's ``mask_truncated_completions``): the tokens of completions the length limit
+    cut (finish reason "length") leave the loss; their rewards still count in their groups' statistics."""
+    return mask * (finish_reason != batch.FINISH_LENGTH).to(mask.dtype)[:, None]
+
+
 def truncated_is_weights(old_logp: Tensor, engine_logp: Tensor, cap: float) -> Tensor:  # [N, T] -> [N, T]
     """Truncated importance sampling against the inference engine: min(pi_old / pi_engine, cap), detached."""
     return (old_logp - engine_logp).exp().clamp(max=cap).detach()
@@ -89,7 +95,7 @@ KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": kl_k1, "k2
 # ------------------------------------------------------------------------------------------- aggregation
 # A mode is (numerator, units): the loss is sum(numerator over every micro-batch and rank of an optimizer
 # step) / sum(units over the same). The trainer sums the units of a whole step, so each micro-batch divides
-# by the step's global count instead of its own (see GRPOTrainer._step_normalizer).
+# by the step's global count instead of its own (see step_normalizer below).
 
 
 def masked_token_sum(token_loss: Tensor, mask: Tensor) -> Tensor:  # [N, T] -> []
@@ -202,6 +208,7 @@ class GRPOLoss(LossModule):
         packing: padding-free logprobs (rows packed with per-row position ids, see
             ``logprobs.sequence_logprobs``). On first use with each model the packed logprobs are compared to the
             padded ones, and a model that does not keep packed rows apart is refused with an error.
+        mask_truncated: leave completions cut by the length limit out of the loss (:func:`without_truncated`).
         shared_prompts: run a group's prompt once for several of its completions (one row per prompt and k of
             its completions under a 4-D mask, k chosen per micro-batch by cost, see ``logprob_paths``). On first
             use with each model the shared logprobs are compared to the padded ones; a model that differs,
@@ -231,6 +238,7 @@ class GRPOLoss(LossModule):
         temperature: float = 1.0,
         packing: bool = False,
         shared_prompts: bool = True,
+        mask_truncated: bool = False,
     ) -> None:
         eps_low, eps_high = clip_epsilon if isinstance(clip_epsilon, (tuple, list)) else (clip_epsilon,) * 2
         check("clip_epsilon", "clip_epsilon", min(eps_low, eps_high), owner="GRPOLoss: ")
@@ -255,7 +263,7 @@ class GRPOLoss(LossModule):
         self.kl_coef, self.kl_estimator = float(kl_coef), kl_estimator
         self.aggregation, self.max_completion_tokens = aggregation, max_completion_tokens
         self.importance_level, self.tis_cap, self.temperature = importance_level, tis_cap, float(temperature)
-        self.packing = bool(packing)
+        self.packing, self.mask_truncated = bool(packing), bool(mask_truncated)
         self._paths = LogprobPaths(self.temperature, packing=self.packing, shared_prompts=bool(shared_prompts))
         self.shared_prompts = self._paths.shared_prompts  # off with packing
 
@@ -277,15 +285,20 @@ class GRPOLoss(LossModule):
         if self.reference is not None:
             td[batch.REF_LOGPROBS] = self.logprobs(self.reference, td).detach()
 
+    def loss_mask(self, td: TensorDict) -> Tensor:  # -> [N, T]
+        """The tokens trained on: the model's own (``batch.loss_mask``), less truncated completions' if asked."""
+        mask = batch.loss_mask(td)
+        return without_truncated(mask, td[batch.FINISH_REASON]) if self.mask_truncated else mask
+
     def units(self, td: TensorDict) -> Tensor:
-        """How much this micro-batch adds to the aggregation's denominator (see ``aggregation_units``)."""
-        return AGGREGATIONS[self.aggregation].units(batch.loss_mask(td), self.max_completion_tokens)
+        """How much this micro-batch adds to the aggregation's denominator (see the aggregation modes above)."""
+        return AGGREGATIONS[self.aggregation].units(self.loss_mask(td), self.max_completion_tokens)
 
     # -- forward --------------------------------------------------------------------------------------
 
     def forward(self, td: TensorDict, normalizer: float | Tensor | None = None) -> TensorDict:
         """Loss of the micro-batch ``td``; ``normalizer`` defaults to this micro-batch's own units."""
-        mask = batch.loss_mask(td).to(torch.float32)  # [N, T]: the model's own tokens
+        mask = self.loss_mask(td).to(torch.float32)  # [N, T]: the model's own tokens (less truncated ones if asked)
         logp, entropy = self.logprobs(self.policy, td, with_entropy=True)  # [N, T] each
         old_logp = td.get(batch.OLD_LOGPROBS, None)
         if old_logp is None:  # used once, on-policy: pi_old is the current policy itself

@@ -224,7 +224,7 @@ def test_math_answer_is_time_limited_in_a_background_thread_too():
         thread.join(60)
         return out[0]
 
-    assert rewards.same_answer("\\frac{1}{2}", "0.5") and in_thread("\\frac{1}{2}", "0.5")
+    assert rewards.same_answer("0.5", "\\frac{1}{2}") and in_thread("0.5", "\\frac{1}{2}")
     assert not rewards.same_answer("x^2+2", "x^2+1") and not in_thread("x^2+2", "x^2+1")
     assert reward_workers(), "the off-thread check ran in a worker process"
     rewards._OFF_THREAD_VERIFY.close()

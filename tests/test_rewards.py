@@ -34,8 +34,28 @@ def test_final_answer_is_found_the_way_people_write_it(text, stated, strict):
 
 def test_answers_compare_as_numbers_or_with_math_verify():
     assert same_answer("85 apples", "85") and same_answer("1,234", "1234") and not same_answer("86", "85")
-    assert same_answer("\\frac{1}{2}", "0.5") and same_answer("1/2", "\\frac{1}{2}")  # math-verify
+    assert same_answer("1/2", "\\frac{1}{2}") and same_answer("0.5", "\\frac{1}{2}")  # math-verify: symbolic
     assert same_answer("x^2 + 1", "1 + x^2") and not same_answer("x^2", "x^3")
+    assert not same_answer("\\frac{1}{2}", "0.5")  # a numeric reference wants the number, not an expression
+
+
+# issue 50's strings: math-verify evaluated the expressions to 85, and a policy learnt "The answer is 47+38".
+REAL_ANSWERS = ["85", "85.", "= 85", "The answer is 85", "\\boxed{85}", "85.0", "47 + 38 = 85", "#### 85",
+                "85 apples", "The answer is: 85."]
+GAMES = ["The answer is 47+38", "= 47+38", "The answer is 85+0",
+         # and our own: the prompt echoed, the operands, several numbers, the answer inside a longer expression
+         "What is 47+38? Answer with just the number.", "47 38", "85 or 86", "\\boxed{170/2}", "= 85 + 0",
+         "The answer is 47+38=85+0", "The answer is 84 + 1", "The answer is 85, 86", "answer: 42.5+42.5",
+         "The answer is 85 = 47+38"]
+
+
+def test_math_answer_pays_for_stated_numbers_and_never_for_expressions():
+    assert math_answer(["p"] * len(REAL_ANSWERS), REAL_ANSWERS, answer=["85"] * len(REAL_ANSWERS)) == [1.0] * len(
+        REAL_ANSWERS)
+    assert math_answer(["p"] * len(GAMES), GAMES, answer=["85"] * len(GAMES)) == [0.0] * len(GAMES)
+    assert math_answer(["p"] * 3, ["1,085", "The answer is $1,085.", "-3"], answer=["1085", "1,085", "-3"]) == [1.0] * 3
+    # answer_match reads the last number: 38, 38, 0, 38, 38, 86, 2, 0, 0, 1, 86, 5, 38
+    assert answer_match(["p"] * len(GAMES), GAMES, answer=["85"] * len(GAMES)) == [0.0] * len(GAMES)
 
 
 def test_math_answer_reward_and_its_strict_mode():

@@ -75,7 +75,7 @@ def build_trainer(cfg: GRPOConfig):
         raise ConfigError(f"eval.every_iterations={cfg.eval.every_iterations}: there are no held-out rows; set "
                           "data.holdout (built-in task), data.eval_path or data.eval_split, or "
                           "eval.every_iterations=0.")
-    rewards = build_rewards(cfg.rewards)  # a bad reward module or environment is refused before any process group
+    rewards = build_rewards(cfg.rewards, r.max_new_tokens)  # a bad reward module or environment is refused before any process group
     environment = build_environment(r, cfg.data)
     tokenizer, model, reference = build_policy(cfg.model, with_reference=cfg.loss.kl_coef > 0, seed=t.seed)
     if first_process():
@@ -177,7 +177,7 @@ def build_loss(cfg: GRPOConfig, model, reference):
         model, reference, clip_epsilon=(lc.clip_eps_low, lc.clip_eps_high), kl_coef=lc.kl_coef,
         kl_estimator=lc.kl_estimator, aggregation=lc.aggregation, max_completion_tokens=cfg.rollout.max_completion_tokens,
         importance_level=lc.importance_level, tis_cap=lc.tis_cap, temperature=cfg.rollout.temperature,
-        packing=lc.packing, shared_prompts=lc.shared_prompts,
+        packing=lc.packing, shared_prompts=lc.shared_prompts, mask_truncated=lc.mask_truncated,
     )
 
 

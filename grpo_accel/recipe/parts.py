@@ -3,6 +3,7 @@ the reward set, the multi-turn environment. :mod:`grpo_accel.recipe.build` wires
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import importlib
 from pathlib import Path
@@ -150,14 +151,21 @@ def import_named(name: str, key: str, builtins: list[str], kind: str):
                           "directory the run starts from are importable).") from exc
 
 
-def build_rewards(cfgs: list[RewardConfig]) -> RewardSet:
-    """The set of ``rewards`` (each entry: a function, a reward model or a reward service, with its limits)."""
-    return RewardSet({c.name: build_reward(c) for c in cfgs}, {c.name: c.weight for c in cfgs},
+def build_rewards(cfgs: list[RewardConfig], max_new_tokens: int | None = None) -> RewardSet:
+    """The set of ``rewards`` (each entry: a function, a reward model or a reward service, with its limits);
+    ``overlong_penalty`` gets ``max_tokens=max_new_tokens`` unless its kwargs set it."""
+    return RewardSet({c.name: build_reward(c, max_new_tokens) for c in cfgs}, {c.name: c.weight for c in cfgs},
                      {c.name: c.normalize for c in cfgs})
 
 
-def build_reward(c: RewardConfig):
+def build_reward(c: RewardConfig, max_new_tokens: int | None = None):
     """One reward entry as a reward function (see :mod:`grpo_accel.reward_sources`)."""
+    if c.name == "overlong_penalty":
+        if "cache_tokens" not in c.kwargs:
+            raise ConfigError(f"rewards[name=overlong_penalty].kwargs={c.kwargs}: give cache_tokens, the last tokens "
+                              "before the limit over which the penalty grows to -1 (DAPO: a fifth of the budget), e.g. "
+                              "kwargs: {cache_tokens: 64}.")
+        c = dataclasses.replace(c, kwargs={"max_tokens": max_new_tokens, **c.kwargs}) if max_new_tokens else c
     from grpo_accel import reward_sources as rs
 
     names = {key: f"rewards[name={c.name}].{key}" for key in ("timeout_s", "fallback", "url", "api_key")}

@@ -139,6 +139,10 @@ class LossConfig:
     """Divide group-centred rewards by the group's std (off for Dr. GRPO)."""
     leave_one_out: bool = False
     """Baseline = mean of the other G-1 rewards (RLOO) instead of the group mean."""
+    mask_truncated: bool = False
+    """Completions cut by rollout.max_new_tokens (finish reason "length") leave the loss (DAPO's overlong
+    filtering, TRL's mask_truncated_completions); their rewards still count in their groups' mean and std, as in
+    both. DAPO's soft length penalty is the reward overlong_penalty."""
     packing: bool = False
     """Padding-free training: rows packed with per-row position ids (checked against padded logprobs once)."""
     shared_prompts: bool = True

@@ -73,7 +73,7 @@ TRL_NAMES: dict[str, Here] = {
     "dataset_train_split": Here("data.split"),
     "dataset_test_split": Here("data.eval_split"),
     "eval_steps": Here("eval.every_iterations", "batches"),
-    "mask_truncated_completions": Here(None, "not available yet"),
+    "mask_truncated_completions": Here("loss.mask_truncated"),
     "sync_ref_model": Here(None, "the reference model stays the initial one"),
 }
 

@@ -17,7 +17,8 @@ class Evaluator:
 
     For each reward function: ``eval/<fn>/greedy_mean`` (one greedy completion per prompt) and
     ``eval/<fn>/pass@<k>`` (share of prompts where at least one of ``k`` samples reaches
-    ``success_threshold``). Sampling is keyed by ``seed``, so every evaluation draws the same random streams.
+    ``success_threshold``), and ``eval/stopped_fraction`` (share of greedy replies that end on their own, not
+    cut by the token limit). Sampling is keyed by ``seed``, so every evaluation draws the same random streams.
     Every process evaluates all rows (the results are identical); the main process logs them.
 
     Example:
@@ -62,7 +63,8 @@ class Evaluator:
         n = len(self.rows)
         greedy_scores, greedy = self._rollout(1, [0] * n, greedy=True)
         sampled_scores, _ = self._rollout(self.k, [self.seed + i for i in range(n)])
-        out = {"eval/reward_greedy_mean": float(greedy_scores[batch.REWARD].mean())}
+        out = {"eval/reward_greedy_mean": float(greedy_scores[batch.REWARD].mean()),
+               "eval/stopped_fraction": float((greedy[batch.FINISH_REASON] == batch.FINISH_STOP).float().mean())}
         for name in self.rewards.names:
             per_prompt = sampled_scores[batch.REWARDS, name].view(n, self.k)  # [P, k]
             out[f"eval/{name}/greedy_mean"] = float(greedy_scores[batch.REWARDS, name].mean())
