@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from grpo_accel.deepspeed_config import DistributedConfigError, read_deepspeed_file, validate_deepspeed_config
-from launching import ROOT, free_port, launch, launch_training, run_in_group
+from launching import ROOT, TINY_FOLDER, free_port, launch, launch_training, run_in_group
 from trainer_utils import train_in_process
 
 BASE = ["trainer.total_frames=512", "trainer.progress_bar=false"]  # 4 batches of 16 prompts x 8
@@ -119,8 +119,8 @@ def single_tied(tmp_path_factory):
     tokenizer = build_char_tokenizer()
     build_tiny_qwen2(tokenizer, seed=0).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    model = f"model.name_or_path={folder}"
-    return model, curves(run("single_process.yaml", tmp_path_factory.mktemp("single_tied"), "run", model))[0]
+    model = (f"model.name_or_path={folder}", *TINY_FOLDER)
+    return model, curves(run("single_process.yaml", tmp_path_factory.mktemp("single_tied"), "run", *model))[0]
 
 
 @pytest.mark.parametrize("config, extra", [
@@ -130,7 +130,7 @@ def test_a_tied_embedding_trains_alike_on_two_processes(single_tied, tmp_path, c
     """The tied weight's gradient is made whole in the embedding's backward (logprobs.tied_embedding_rows):
     DDP's and DeepSpeed's gradient hooks see it once, whole, and average it as they average the rest."""
     model, expected = single_tied
-    got, summary = curves(run(config, tmp_path, "run", model, "trainer.micro_batch_completions=64", *extra))
+    got, summary = curves(run(config, tmp_path, "run", *model, "trainer.micro_batch_completions=64", *extra))
     assert summary["num_processes"] == 2
     assert_same_run(got, expected)
 

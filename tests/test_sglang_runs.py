@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from grpo_accel.http import ServerError
-from launching import ROOT, free_port, launch
+from launching import ROOT, TINY_FOLDER, free_port, launch
 from sglang_source import VERSIONS
 from standin import NEWEST, fail_next, server_state
 from trainer_utils import train_in_process
@@ -20,7 +20,7 @@ def sglang_args(out, url, model_dir, *extra) -> list[str]:
     return [f"output_dir={out}", f"model.name_or_path={model_dir}", "rollout.backend=sglang", f"rollout.urls=[{url}]",
             "weight_sync.backend=gloo", f"weight_sync.master_port={free_port()}", "weight_sync.dtype=float32",
             "weight_sync.bucket_mb=0.05", "trainer.total_frames=384", "trainer.micro_batch_completions=64",
-            "trainer.progress_bar=false", "checkpoint.interval_frames=null", *extra]
+            "trainer.progress_bar=false", "checkpoint.interval_frames=null", *TINY_FOLDER, *extra]
 
 
 def final_policy(out):

@@ -8,7 +8,7 @@ import torch
 
 from grpo_accel import batch
 from grpo_accel.rewards import RewardError, RewardSet
-from launching import ROOT, run_in_group
+from launching import ROOT, TINY_FOLDER, run_in_group
 
 # ---------------------------------------------------------------------------------------- the console
 
@@ -353,7 +353,7 @@ def test_checkpoints_of_a_tied_embedding_model_say_nothing_of_the_tie(tmp_path, 
     tokenizer.save_pretrained(tmp_path / "tied")
     proc = launch("single_process.yaml", [f"output_dir={tmp_path}/run", f"model.name_or_path={tmp_path / 'tied'}",
                                           "trainer.total_frames=256", "checkpoint.interval_frames=128",
-                                          "trainer.progress_bar=false"], timeout=120)
+                                          "trainer.progress_bar=false", *TINY_FOLDER], timeout=120)
     assert proc.stderr.count("checkpoint ") >= 2 and "Removed shared tensor" not in proc.stderr
 
 
