@@ -5,6 +5,7 @@
 #   bash launch/gpu_check.sh sglang             # real SGLang: install, serve SmolLM2-135M-Instruct, train, compare
 #   bash launch/gpu_check.sh gsm8k [out_dir]    # launch/configs/gsm8k.yaml for 30 batches (needs the hub, or
 #                                               # MODEL=folder DATA=gsm8k-layout.jsonl; evaluation off)
+#   bash launch/gpu_check.sh shared             # the loss's forward+backward: padded vs shared prompts (4-D mask)
 #
 # sglang: makes .venv-sglang with sglang==${SGLANG_VERSION:-0.5.23} (it pins its own CUDA torch) and grpo_accel,
 # converts SmolLM2-135M-Instruct (python -m grpo_accel.models), starts a server with
@@ -25,6 +26,10 @@ if [ "$mode" = bench ]; then
   exec "$python" launch/bench.py --size 500m --dtype bfloat16 --steps 3 --warmup 1 --prompts 16 --group 8 \
     --max-new-tokens 128 --micro-batch 32 --fixed-length --out "${2:-gpu_bench.json}"
 fi
+if [ "$mode" = shared ]; then
+  "$python" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
+  exec "$python" launch/shared_prompts_gpu.py
+fi
 if [ "$mode" = gsm8k ]; then
   "$python" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
   out=${2:-runs/gpu_check/gsm8k}
@@ -36,7 +41,7 @@ if [ "$mode" = gsm8k ]; then
     'gsm8k recipe:', s['iterations'], 'batches in', s['wall_time_s'], 's, reward', round(s['reward_first10_mean'], 3), \
     '->', round(s['reward_last10_mean'], 3))" "$out/summary.json"
 fi
-[ "$mode" = sglang ] || { echo "usage: bash launch/gpu_check.sh bench|sglang|gsm8k" >&2; exit 2; }
+[ "$mode" = sglang ] || { echo "usage: bash launch/gpu_check.sh bench|sglang|gsm8k|shared" >&2; exit 2; }
 
 verdict() { printf '%-4s  %s\n' "$1" "$2"; }
 gpus=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)

@@ -115,11 +115,11 @@ def test_gpu_check_script_refuses_without_a_gpu():
         return subprocess.run(["bash", str(ROOT / "launch" / "gpu_check.sh"), *args], capture_output=True, text=True,
                               env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"}, timeout=120)
 
-    bench, sglang, gsm8k, other = run("bench"), run("sglang"), run("gsm8k"), run("nonsense")
-    assert bench.returncode != 0 and "no CUDA device" in bench.stderr
-    assert gsm8k.returncode != 0 and "no CUDA device" in gsm8k.stderr
+    bench, sglang, other = run("bench"), run("sglang"), run("nonsense")
+    for needs_cuda in (bench, run("gsm8k"), run("shared")):
+        assert needs_cuda.returncode != 0 and "no CUDA device" in needs_cuda.stderr
     assert sglang.returncode != 0 and "FAIL  no GPU (nvidia-smi lists none)" in sglang.stdout
-    assert other.returncode == 2 and "usage: bash launch/gpu_check.sh bench|sglang|gsm8k" in other.stderr
+    assert other.returncode == 2 and "usage: bash launch/gpu_check.sh bench|sglang|gsm8k|shared" in other.stderr
 
 
 def test_the_trl_comparison_reads_a_runs_steps_from_its_event_files(tmp_path, monkeypatch):
