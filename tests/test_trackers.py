@@ -30,10 +30,11 @@ def resumed_run(tmp_path_factory):
     common = [f"output_dir={out}", "trainer.report_to=[tensorboard, wandb, mlflow, trackio]", "trainer.project=grpo_test",
               "trainer.run_name=first", "trainer.tracker_kwargs={wandb: {tags: [grpo, test]}}",
               "trainer.progress_bar=false", f"checkpoint.interval_frames={2 * BATCH}"]
-    env = tracker_env(root)
-    first = launch("single_process.yaml", [*common, f"trainer.total_frames={3 * BATCH}"], env=env)
+    env = tracker_env(root)  # and run from root: MLflow keeps its artifacts in ./mlruns of where the run starts
+    first = launch("single_process.yaml", [*common, f"trainer.total_frames={3 * BATCH}"], env=env, cwd=root)
     second = launch("single_process.yaml", [*common, f"trainer.total_frames={5 * BATCH}", "checkpoint.resume=auto"],
-                    env=env)
+                    env=env, cwd=root)
+    assert (root / "mlruns").is_dir()
     assert "resumed from" in second.stderr
     return root, out, first
 
