@@ -141,7 +141,7 @@ def human_summary(summary: dict, frames: int, checkpoint: Path | None, out: Path
         f"  reward: {summary['reward_first10_mean']:.3f} (first 10 batches) -> {summary['reward_last10_mean']:.3f} "
         "(last 10)",
         f"  final checkpoint: {checkpoint if checkpoint is not None else 'none'}",
-        f"  curves: tensorboard --logdir {out / 'tensorboard'}"])
+        *([f"  curves: tensorboard --logdir {out / 'tensorboard'}"] if (out / "tensorboard").is_dir() else [])])
 
 
 def main_reporting_errors(argv: list[str] | None = None) -> int:

@@ -205,8 +205,7 @@ def test_report_to_takes_accelerates_names_and_nothing_else():
 
 
 def test_no_tracker_at_all_trains(tmp_path):
-    from trainer_utils import train_in_process
-
-    assert train_in_process([f"output_dir={tmp_path}", "trainer.report_to=[]", "trainer.total_frames=128",
-                             "trainer.progress_bar=false"]) == 0
+    proc = launch("single_process.yaml", [f"output_dir={tmp_path}", "trainer.report_to=[]", "trainer.total_frames=128",
+                                          "trainer.progress_bar=false"])
     assert not (tmp_path / "tensorboard").exists() and (tmp_path / "summary.json").is_file()
+    assert "done: 128 frames" in proc.stderr and "tensorboard --logdir" not in proc.stderr
