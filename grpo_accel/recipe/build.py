@@ -56,7 +56,6 @@ def build_trainer(cfg: GRPOConfig):
     from grpo_accel.deepspeed_config import preflight
     from grpo_accel.distributed import first_process, launch_world_size, make_accelerator
     from grpo_accel.recipe.loading import to_dict
-    from grpo_accel.recipe.defaults import unusual_settings
     from grpo_accel.recipe.parts import build_environment, build_policy, build_rewards, build_rows
     from grpo_accel.recipe.run_folder import data_fingerprints, start_point
     from grpo_accel.trainer import GRPOTrainer
@@ -75,12 +74,11 @@ def build_trainer(cfg: GRPOConfig):
         raise ConfigError(f"eval.every_iterations={cfg.eval.every_iterations}: there are no held-out rows; set "
                           "data.holdout (built-in task), data.eval_path or data.eval_split, or "
                           "eval.every_iterations=0.")
-    rewards = build_rewards(cfg.rewards, r.max_new_tokens)  # a bad reward module or environment is refused before any process group
-    environment = build_environment(r, cfg.data)
+    rewards = build_rewards(cfg.rewards, r.max_new_tokens)  # a bad reward module or environment: refused before
+    environment = build_environment(r, cfg.data)  # any process group starts
     tokenizer, model, reference = build_policy(cfg.model, with_reference=cfg.loss.kl_coef > 0, seed=t.seed)
     if first_process():
-        for line in unusual_settings(cfg, sum(p.numel() for p in model.parameters())):
-            log.warning(line)
+        warn_unusual_settings(cfg, model)
     accelerator = make_accelerator(t.gradient_accumulation_steps, t.mixed_precision)
     trackers = open_run_trackers(cfg, resume) if accelerator.is_main_process else None
     log.info("process group ready: rank %d of %d (%s)", accelerator.process_index, accelerator.num_processes,
@@ -90,12 +88,10 @@ def build_trainer(cfg: GRPOConfig):
     engine, sender = build_engine_and_sender(cfg, model, tokenizer, accelerator)
     collector = build_collector(cfg, engine, tokenizer, rows, rewards, environment, layout, accelerator.process_index)
     optimizer = build_optimizer(cfg, model)
-    steps = t.total_frames // layout.completions * layout.optimizer_steps(micro_batch, t.gradient_accumulation_steps,
-                                                                           t.num_epochs, t.optim_steps_per_batch)
     trainer = GRPOTrainer(
         collector=collector, total_frames=t.total_frames, optim_steps_per_batch=t.optim_steps_per_batch,
         loss_module=build_loss(cfg, model, reference), optimizer=optimizer,
-        lr_scheduler=build_scheduler(cfg.optim, optimizer, steps),
+        lr_scheduler=build_scheduler(cfg.optim, optimizer, run_optimizer_steps(cfg, layout, micro_batch)),
         weight_sync_sender=sender, weight_update_frequency=t.weight_update_frequency,
         async_collection=t.async_collection, max_staleness=t.max_staleness,
         empty_replay_buffer_on_weight_update=t.empty_replay_buffer_on_weight_update,
@@ -193,19 +189,32 @@ def build_optimizer(cfg: GRPOConfig, model):
                              fused=True)
 
 
-SCHEDULERS = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
-"""optim.scheduler -> the name of its schedule in ``transformers.get_scheduler`` (each with a linear warmup)."""
-
-
 def build_scheduler(o, optimizer, total_steps: int):
     """The learning-rate schedule of ``o`` (an OptimConfig) over a run of ``total_steps`` optimizer steps, or
     None for a constant rate without warmup."""
+    from grpo_accel.recipe.schema import SCHEDULERS
+
     warmup = o.warmup(total_steps)
     if o.scheduler == "constant" and not warmup:
         return None
     from transformers import get_scheduler
 
     return get_scheduler(SCHEDULERS[o.scheduler], optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+
+
+def run_optimizer_steps(cfg: GRPOConfig, layout: BatchLayout, micro_batch: int) -> int:
+    """Optimizer steps over the whole run: its batches x each batch's steps (what a schedule spans)."""
+    t = cfg.trainer
+    per_batch = layout.optimizer_steps(micro_batch, t.gradient_accumulation_steps, t.num_epochs, t.optim_steps_per_batch)
+    return t.total_frames // layout.completions * per_batch
+
+
+def warn_unusual_settings(cfg: GRPOConfig, model) -> None:
+    """One warning line per setting unusual for ``model`` (:func:`grpo_accel.recipe.defaults.unusual_settings`)."""
+    from grpo_accel.recipe.defaults import unusual_settings
+
+    for line in unusual_settings(cfg, sum(p.numel() for p in model.parameters())):
+        log.warning(line)
 
 
 def _register_hooks(trainer, cfg: GRPOConfig, engine, sender, tokenizer, held_out, rewards) -> None:

@@ -159,7 +159,8 @@ class LossConfig:
         check_choice("loss.importance_level", self.importance_level, tuple(IMPORTANCE_LEVELS))
 
 
-SCHEDULERS = ("constant", "linear", "cosine")
+SCHEDULERS = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+"""optim.scheduler -> its schedule's name in ``transformers.get_scheduler`` (each after a linear warmup)."""
 
 
 @dataclass
@@ -184,7 +185,7 @@ class OptimConfig:
     def __post_init__(self) -> None:
         check_key(self.lr is None or self.lr > 0, "optim.lr", self.lr, "must be > 0.")
         check_key(len(self.betas) == 2, "optim.betas", self.betas, "give two values, e.g. [0.9, 0.99].")
-        check_choice("optim.scheduler", self.scheduler, SCHEDULERS)
+        check_choice("optim.scheduler", self.scheduler, tuple(SCHEDULERS))
         check_rules("optim", self, warmup_steps="non_negative_count")
         check_key(0 <= self.warmup_ratio < 1, "optim.warmup_ratio", self.warmup_ratio,
                   "use a share of the run's optimizer steps in [0, 1), e.g. 0.1.")
