@@ -141,9 +141,10 @@ def distributed_normalizer(global_units: Tensor, num_processes: int, accumulatio
 
     ``global_units``: the aggregation units of the whole optimizer step, summed over micro-batches and ranks.
     Accelerate's ``backward`` divides each micro-batch loss by ``accumulation_steps`` and DDP / DeepSpeed
-    average gradients over ``num_processes``; pre-multiplying by both undoes them exactly once.
+    average gradients over ``num_processes``; pre-multiplying by both undoes them exactly once. A step with no
+    unit (every completion truncated under ``mask_truncated``) has a zero numerator too: it divides by 1.
     """
-    return global_units / (num_processes * accumulation_steps)
+    return global_units.clamp(min=1) / (num_processes * accumulation_steps)
 
 
 def step_normalizer(loss: "GRPOLoss", micro_batches: list, accelerator, accumulation_steps: int, device) -> Tensor:
@@ -308,7 +309,7 @@ class GRPOLoss(LossModule):
         if self.tis_cap is not None:
             token_loss = token_loss * truncated_is_weights(old_logp, td[batch.ENGINE_LOGPROBS], self.tis_cap)
         if normalizer is None:
-            normalizer = self.units(td)
+            normalizer = self.units(td).clamp(min=1)  # no unit: nothing to train on, the loss is 0
         aggregate = AGGREGATIONS[self.aggregation]
         out = {"loss_objective": aggregate(token_loss, mask) / normalizer}
         if self.kl_coef > 0:

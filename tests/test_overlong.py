@@ -51,6 +51,12 @@ def test_masked_truncated_rows_add_nothing_to_the_loss_or_its_gradient(tokenizer
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     full = GRPOLoss(tiny_model, shared_prompts=False)(td)["loss_objective"]
     assert not torch.allclose(full, masked)  # without the setting they count
+    td[batch.FINISH_REASON] = torch.full_like(td[batch.FINISH_REASON], batch.FINISH_LENGTH)  # every row cut
+    nothing = masked_loss(td)["loss_objective"]
+    assert float(nothing.detach()) == 0.0 and masked_loss.units(td) == 0  # a zero loss, not 0 / 0
+    from grpo_accel.loss import distributed_normalizer
+
+    assert float(distributed_normalizer(masked_loss.units(td), 2, 1)) == 0.5  # the step's divisor: 1 / (2 x 1)
 
 
 def test_a_run_with_overlong_handling_logs_its_parts(tmp_path):

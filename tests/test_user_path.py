@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 
 from grpo_accel.recipe.checks import ConfigError
 from grpo_accel.recipe.defaults import MODEL_DEFAULTS, unusual_settings
@@ -65,7 +66,7 @@ def test_a_pretrained_model_given_alone_trains_with_its_defaults_and_the_toys_lr
               "rollout.group_size=2", "trainer.total_frames=4", "trainer.progress_bar=false",
               "checkpoint.interval_frames=null"]
     assert train_in_process([*common, f"output_dir={out}", "rollout.max_new_tokens=8"]) == 0
-    saved = json.loads(json.dumps(__import__("yaml").safe_load((out / "config.yaml").read_text())))
+    saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["optim"]["lr"] == 1e-6 and saved["rollout"]["max_prompt_tokens"] == 512
     assert read_scalars(out / "tensorboard")["train/lr"] == [(1, pytest.approx(1e-6))]
     assert not [r for r in caplog.records if "is high for a pretrained model" in r.getMessage()]
