@@ -41,7 +41,7 @@ ELSEWHERE = {  # how a command starts -> why it does not run in this suite, and 
     "launch/configs/gsm8k.yaml": "needs the hub (Qwen2.5-0.5B-Instruct, openai/gsm8k) and a GPU; "
         "tests/test_user_path.py runs the file on SmolLM2 and GSM8K-layout rows at a tiny scale",
     ".venv/bin/accelerate launch --config_file accelerate_configs/single_process.yaml launch/train.py --config "
-    "launch/configs/smollm2_arithmetic.yaml": "40 minutes; tests/test_launch.py runs the recipe's path on the real "
+    "launch/configs/smollm2_arithmetic.yaml": "4 minutes and a model conversion; tests/test_launch.py runs the recipe's path on the real "
         "model at a tiny scale",
     ".venv/bin/accelerate launch --config_file accelerate_configs/single_process.yaml launch/train.py --config "
     "launch/configs/smollm2_calculator.yaml": "about 10 minutes; tests/test_episode_runs.py runs the recipe's path on the "
