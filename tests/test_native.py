@@ -147,3 +147,46 @@ def test_without_a_compiler_decode_steps_keep_the_torch_ops(tokenizer, fresh_bui
 def test_float64_models_keep_the_torch_ops(tokenizer):
     lean = LeanForward(_llama(tokenizer).double())
     assert lean.native is None and lean.native_reason == "torch.float64 on cpu (the C step is float32 on CPU)"
+
+
+def test_a_corrupt_cached_library_is_rebuilt_with_one_line(tmp_path):
+    """Issue 49: a cached library cut short, overwritten with garbage or emptied stopped every run at its first
+    batch (an OSError traceback, or a crash for a file cut short). Run as a user runs it: the run rebuilds it,
+    says so in one line naming the file, and trains; the next run loads the rebuilt library silently."""
+    import os
+    import subprocess
+    import sys
+
+    from launching import ROOT
+
+    env, kernels = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}, tmp_path / "cache" / "grpo_accel" / "kernels"
+
+    def train(name):
+        run = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), f"output_dir={tmp_path / name}",
+                              "trainer.total_frames=128", "trainer.progress_bar=false"],
+                             capture_output=True, text=True, env=env, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return [line for line in run.stderr.splitlines() if "decode step:" in line]
+
+    assert train("first") == []
+    for name, damage in (("cut", lambda b: b[: len(b) // 2]), ("garbage", lambda b: b"not a library" * 100),
+                         ("empty", lambda b: b"")):
+        (library,) = kernels.glob("decode_step-*.so")
+        library.write_bytes(damage(library.read_bytes()))
+        said = train(name)
+        assert len(said) == 1 and said[0].endswith(f"decode step: the cached library {library} is damaged (its "
+                                                   "content does not match its name); rebuilding it"), said
+        (rebuilt,) = kernels.glob("decode_step-*.so")
+        assert native._intact(rebuilt)
+    assert train("after") == []
+
+
+def test_a_corrupt_library_that_cannot_be_rebuilt_keeps_the_torch_ops(fresh_build, monkeypatch, tokenizer, caplog):
+    assert native_reason() is None
+    (library,) = fresh_build.glob("decode_step-*.so")
+    library.write_bytes(b"")
+    native._built.cache_clear()
+    monkeypatch.setattr(native, "_build", lambda compiler, stem: (None, f"{compiler} failed on decode_step.c: gone"))
+    assert native_reason().endswith("failed on decode_step.c: gone")  # the rebuild's failure, as a build's
+    assert f"the cached library {library} is damaged" in caplog.text and not library.exists()
+    assert LeanForward(_llama(tokenizer)).native is None

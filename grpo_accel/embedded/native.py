@@ -13,7 +13,8 @@ and prefills keep the torch ops.
 The library is compiled once per machine with the machine's C compiler (``cc -O3 -march=native``, about a
 second) into ``~/.cache/grpo_accel/kernels`` (under ``$XDG_CACHE_HOME`` where set), named by a hash of the
 source, the flags and the CPU's feature flags (a home directory shared by different machines gets one library
-each), written under a temporary name and renamed into place. Without a compiler (or off Linux) the decode step
+each) and by a hash of its own content, written under a temporary name and renamed into place. A cached file
+whose content no longer matches its name (cut short, overwritten, emptied) is rebuilt, with a warning naming it. Without a compiler (or off Linux) the decode step
 keeps the torch ops: :func:`native_reason` says why.
 """
 from __future__ import annotations
@@ -54,28 +55,53 @@ def _built() -> tuple[ctypes.CDLL | None, str | None]:
     cpu_flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     compiler = os.environ.get("CC", "cc")
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join((compiler, *FLAGS)).encode(), cpu_flags.encode()]))
-    path = kernel_dir() / f"decode_step-{key.hexdigest()[:16]}.so"
-    if not path.exists():
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as scratch:  # built beside its name, renamed in
-                built = Path(scratch) / path.name
-                subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], check=True, capture_output=True,
-                               text=True, timeout=300)
-                os.replace(built, path)
-        except FileNotFoundError:
-            return None, f"no C compiler ({compiler} not found; CC names another)"
-        except subprocess.CalledProcessError as exc:
-            lines = exc.stderr.strip().splitlines()
-            return None, f"{compiler} failed on {SOURCE.name}: {lines[-1] if lines else exc}"
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return None, f"could not build {path}: {exc}"
-    library = ctypes.CDLL(str(path))
-    for name, (arguments, result) in _SIGNATURES.items():
-        function = getattr(library, name)
-        function.argtypes, function.restype = arguments, result
+    stem = f"decode_step-{key.hexdigest()[:16]}"
+    path = next(iter(sorted(kernel_dir().glob(f"{stem}-*.so"))), None)
+    if path is not None and not _intact(path):  # cut short, overwritten, emptied: it would not load or would crash
+        log.warning("decode step: the cached library %s is damaged (its content does not match its name); "
+                    "rebuilding it", path)
+        path.unlink(missing_ok=True)
+        path = None
+    if path is None:
+        path, failed = _build(compiler, stem)
+        if failed:
+            return None, failed
+    try:
+        library = ctypes.CDLL(str(path))
+        for name, (arguments, result) in _SIGNATURES.items():
+            function = getattr(library, name)
+            function.argtypes, function.restype = arguments, result
+    except (OSError, AttributeError) as exc:
+        return None, f"{path} could not be loaded ({exc})"
     log.debug("decode step: %s", path)
     return library, None
+
+
+def _intact(path: Path) -> bool:
+    """Whether the library's content is what its name says: ``<stem>-<its SHA-256, 16 digits>.so``."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] == path.stem.rsplit("-", 1)[-1]
+
+
+def _build(compiler: str, stem: str) -> tuple[Path | None, str | None]:
+    """(the library compiled as ``<stem>-<its digest>.so`` in the kernel folder, None), or (None, why not). Built
+    beside its name and renamed in, so a reader never sees half a file."""
+    folder = kernel_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as scratch:
+            built = Path(scratch) / f"{stem}.so"
+            subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], check=True, capture_output=True,
+                           text=True, timeout=300)
+            path = folder / f"{stem}-{hashlib.sha256(built.read_bytes()).hexdigest()[:16]}.so"
+            os.replace(built, path)
+    except FileNotFoundError:
+        return None, f"no C compiler ({compiler} not found; CC names another)"
+    except subprocess.CalledProcessError as exc:
+        lines = exc.stderr.strip().splitlines()
+        return None, f"{compiler} failed on {SOURCE.name}: {lines[-1] if lines else exc}"
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"could not build in {folder}: {exc}"
+    return path, None
 
 
 def native_reason() -> str | None:
