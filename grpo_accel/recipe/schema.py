@@ -109,7 +109,9 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_choice("data.task", self.task, tuple(BUILTIN_TASKS))
-        check_choice("data.answer_format", self.answer_format, ("plain", "gsm8k", "boxed"))
+        from grpo_accel.rewards import ANSWER_FORMATS  # the formats reference_answer reads (lazily: it imports torch)
+
+        check_choice("data.answer_format", self.answer_format, ANSWER_FORMATS)
         check_rules("data", self, max_operand="positive_count")
         if self.task == "addition":
             check_key(0 <= self.holdout < (self.max_operand + 1) ** 2, "data.holdout", self.holdout,
