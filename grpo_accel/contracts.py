@@ -195,6 +195,9 @@ class WeightSender(ABC):
     """
 
     pushed: int = 0
+    stale: bool = False
+    """The engine's weights are unknown at start (e.g. a server found with its weights released): the trainer
+    pushes before its first collection. The same on every process."""
 
     @abstractmethod
     def push(self, version: int) -> None:

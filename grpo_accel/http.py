@@ -69,20 +69,21 @@ class HTTPClient:
     def get(self, path: str, retries: int | None = None):
         return self._request("GET", path, None, retries)
 
-    def wait_healthy(self, timeout_s: float, poll_s: float = 0.5, report_every_s: float = 10.0,
-                     names: Mapping[str, str] | None = None) -> None:
-        """Block until ``GET /health`` answers 200, or raise after ``timeout_s`` naming the URL. Says what it waits
-        for every ``report_every_s``; ``names`` says what the settings it names (urls, health_timeout_s) are
-        called (:func:`grpo_accel.rules.setting`). (SGLang answers /health without a key: this proves nothing of it.)"""
+    def wait_for(self, path: str, timeout_s: float, poll_s: float = 0.5, report_every_s: float = 10.0,
+                 names: Mapping[str, str] | None = None):
+        """``GET path`` until it answers 200 (the answer is returned), or raise after ``timeout_s`` naming the URL;
+        a 4xx (a wrong key) raises at once. Says what it waits for every ``report_every_s``; ``names`` says what the
+        settings it names (urls, health_timeout_s) are called (:func:`grpo_accel.rules.setting`)."""
         urls, timeout = setting(names, "urls"), setting(names, "health_timeout_s")
         start = time.monotonic()
         deadline, report_at = start + timeout_s, start + report_every_s
         last = None
         while time.monotonic() < deadline:
             try:
-                self.get("/health", retries=0)
-                return
+                return self.get(path, retries=0)
             except ServerError as exc:
+                if exc.status is not None and exc.status < 500:
+                    raise
                 last = exc
             now = time.monotonic()
             if now >= report_at:
@@ -92,8 +93,14 @@ class HTTPClient:
                                deadline - now, timeout)
                 report_at = now + report_every_s
             time.sleep(poll_s)
-        raise ServerError(f"SGLang server {self.url} was not healthy after {timeout_s:.0f} s (last error: {last}); "
-                          f"check that it is running and {urls} is right, or raise {timeout}.")
+        raise ServerError(f"SGLang server {self.url} did not answer {path} within {timeout_s:.0f} s (last error: "
+                          f"{last}); check that it is running and {urls} is right, or raise {timeout}.")
+
+    def wait_healthy(self, timeout_s: float, poll_s: float = 0.5, report_every_s: float = 10.0,
+                     names: Mapping[str, str] | None = None) -> None:
+        """:meth:`wait_for` ``/health``: in SGLang a one-token generation, which a paused server, or (0.5.9) one
+        with memory released, never runs (503). It needs no key: it proves nothing of one."""
+        self.wait_for("/health", timeout_s, poll_s, report_every_s, names)
 
 
 def _error_message(exc: urllib.error.HTTPError) -> str:

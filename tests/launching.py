@@ -52,6 +52,22 @@ def run_in_group(cmd: list[str], timeout: float, **kwargs) -> subprocess.Complet
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
+def sigkill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process under it at once, as a lost node dies (the ranks of ``accelerate launch``
+    live in sessions of their own: a killpg of the launcher's group leaves them running)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        family = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(family, timeout=10)
+
+
 class LaunchTimeout(subprocess.TimeoutExpired):
     """A command ran past its timeout; the message carries its processes' output (and stacks) at the kill."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
 import re
 from dataclasses import dataclass
 
@@ -92,6 +93,34 @@ class SourceFacts:
                 if match:
                     return match.group(1)
         raise RuntimeError(f"SGLang {self.version}: the memory release's assertion is not where it was")
+
+    @functools.cached_property
+    def health_check_held_while(self) -> frozenset[str]:
+        """What makes a scheduler hold a health check's one-token generation back instead of running it (it answers
+        the check at its next batch result, ``return_health_check_ct``; an idle scheduler never has one), read from
+        srt/managers/scheduler.py ``process_input_requests``: "running" (a running batch), "waiting" (a waiting
+        request), "released" (a released memory tag). 0.5.9: running or released (``len(self.offload_tags) > 0``);
+        0.5.23: anything short of ``is_fully_idle(for_health_check=True)``, running or waiting, released memory not
+        counted (a check on an idle server with its memory released runs on freed memory)."""
+        text = _function_text(self.text("sglang/srt/managers/scheduler.py"), "process_input_requests")
+        start = text.find("is_health_check_generate_req(recv_req)")
+        branch = text[start : text.find("continue", start)]
+        held = {"running"} if "running_batch.is_empty()" in branch else set()
+        held |= {"running", "waiting"} if "is_fully_idle(" in branch else set()
+        held |= {"released"} if "offload_tags" in branch else set()
+        if start < 0 or not held:
+            raise RuntimeError(f"SGLang {self.version}: the health check's skip rule is not where it was")
+        return frozenset(held)
+
+    @functools.cached_property
+    def health_check_timeout_s(self) -> int:
+        """``HEALTH_CHECK_TIMEOUT`` (srt/entrypoints/http_server.py): how long /health waits for the scheduler before
+        it answers 503; the environment's ``SGLANG_HEALTH_CHECK_TIMEOUT``, else the default written there."""
+        match = re.search(r'HEALTH_CHECK_TIMEOUT = int\(os\.getenv\("SGLANG_HEALTH_CHECK_TIMEOUT", (\d+)\)\)',
+                          self.text("sglang/srt/entrypoints/http_server.py"))
+        if match is None:
+            raise RuntimeError(f"SGLang {self.version}: HEALTH_CHECK_TIMEOUT is not where it was")
+        return int(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", match.group(1)))
 
     @functools.cached_property
     def dp_attention_is_attn_dp(self) -> bool:

@@ -16,7 +16,8 @@ fetched once with ``pip download --no-deps sglang==VERSION`` into ``$GRPO_ACCEL_
   ``SamplingParams.__init__`` (srt/sampling/sampling_params.py);
 - facts that live in code paths needing a GPU, read from the source (tests/sglang_facts.py): the
   weight-update session guards (srt/managers/scheduler_components/weight_updater.py, 0.5.21+), the idle test of
-  a memory release, the context rule's comparison, what /server_info carries, and the model classes that
+  a memory release, when a health check is held back (srt/managers/scheduler.py) and how long /health waits, the
+  context rule's comparison, what /server_info carries, and the model classes that
   implement ``get_weights_by_name`` (srt/models/).
 
 Nothing here imports grpo_accel: the stand-in built on it must not share code with the client it tests.
@@ -52,6 +53,7 @@ FILES = (
     "sglang/api/v1/api_types.py",
     "sglang/srt/managers/tokenizer_manager.py",
     "sglang/srt/managers/scheduler_update_weights_mixin.py",  # 0.5.9: memory release and resume
+    "sglang/srt/managers/scheduler.py",  # when a health check's generation is held back
     "sglang/srt/utils/weight_versions.py",  # 0.5.23: per-token weight versions
     "sglang/srt/arg_groups/parallel_hook.py",  # 0.5.23: --dp-size with --enable-dp-attention resolved
 )

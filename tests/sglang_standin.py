@@ -26,6 +26,10 @@ A real SGLang server needs a GPU; this one serves a transformers model on CPU an
   that file: ``>=`` in 0.5.9, ``>`` in 0.5.23), with SGLang's messages; the context length is the model's
   ``max_position_embeddings`` unless ``--context-length`` (as ``ModelConfig.context_len``), reported at
   ``GET /v1/models`` as ``max_model_len`` (``available_models``, srt/entrypoints/http_server.py);
+- ``/health``: SGLang's ``health_generate`` (srt/entrypoints/http_server.py): 503 while starting, then a one-token
+  generation that waits while generation is paused and that the scheduler holds back while busy (0.5.9: or while
+  any memory tag is released, srt/managers/scheduler.py), answering it at its next batch result; 503 after
+  ``HEALTH_CHECK_TIMEOUT`` (``SGLANG_HEALTH_CHECK_TIMEOUT``, default 20 s) without an answer;
 - ``/server_info``: the server args (0.5.23 reports ``--dp-size N --enable-dp-attention`` as ``attn_dp_size`` N,
   srt/arg_groups/parallel_hook.py) and the scheduler's init info (``max_total_num_tokens``, ``max_req_input_len``).
 
@@ -140,6 +144,7 @@ class Server(Scheduling, WeightUpdates):
         self.context_len = args.context_length or self.max_position_embeddings
         self.weight_version, self.loads, self.weight_epoch = "default", 0, self.weight_epoch + 1
         self.is_pause = self.engine_paused = False  # the tokenizer manager's and the scheduler's
+        self.last_receive = 0.0  # when the tokenizer manager last received anything (last_receive_tstamp)
         self.generating = 0  # /generate calls holding the reader lock
         self._next_rank = 0  # the data-parallel controller's round robin
         self.counts = {"sampled": 0, "returned": 0, "aborted": 0, "retracted": 0}
@@ -252,8 +257,8 @@ def make_handler(server: Server):
             how = failures.pop(0) if failures else None
             if how == "http_500":
                 raise HTTPError(500, {"error": {"message": "injected failure"}})
-            if path in ("/health", "/health_generate"):
-                if time.monotonic() < s.ready_at:
+            if path in ("/health", "/health_generate"):  # 503 while starting, then a one-token generation
+                if time.monotonic() < s.ready_at or not s.health():
                     raise HTTPError(503, "")
                 return ""
             if time.monotonic() < s.ready_at:

@@ -3,6 +3,7 @@
 Plain urllib here: the stand-in and everything that drives it stay apart from grpo_accel's own client."""
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -16,8 +17,13 @@ from sglang_source import source_dir
 NEWEST = "0.5.23"
 
 
+HEALTH_CHECK_TIMEOUT_S = "3"
+"""SGLang's ``SGLANG_HEALTH_CHECK_TIMEOUT`` for the stand-ins (SGLang's default, 20 s, would make every test of a
+server that does not generate wait that long)."""
+
+
 class StandIn:
-    """tests/sglang_standin.py started as a process on a free port; ``wait_healthy`` waits until it answers."""
+    """tests/sglang_standin.py started as a process on a free port; ``wait_up`` waits until it answers."""
 
     def __init__(self, model_dir, *extra: str, version: str = NEWEST) -> None:
         source_dir(version)  # fetched once here, so that the server does not race to download it
@@ -26,13 +32,16 @@ class StandIn:
         self.output = tempfile.TemporaryFile()  # not a pipe: a long-lived server must never block on a full one
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "sglang_standin.py"), "--port", str(port),
                                       "--model", str(model_dir), "--sglang-version", version, *extra],
-                                     stdout=self.output, stderr=subprocess.STDOUT)
+                                     stdout=self.output, stderr=subprocess.STDOUT,
+                                     env={"SGLANG_HEALTH_CHECK_TIMEOUT": HEALTH_CHECK_TIMEOUT_S, **os.environ})
 
-    def wait_healthy(self, timeout_s: float = 60) -> str:
+    def wait_up(self, timeout_s: float = 60) -> str:
+        """Until the process answers (a test-control route: /health runs a generation, a second at least, and
+        refuses a paused server, as SGLang's does)."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                urllib.request.urlopen(self.url + "/health", timeout=5).read()
+                urllib.request.urlopen(self.url + "/_standin/counts", timeout=5).read()
                 return self.url
             except (urllib.error.URLError, ConnectionError):
                 if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -54,7 +63,7 @@ class StandIn:
 def standin_server(model_dir, *extra: str, version: str = NEWEST):
     server = StandIn(model_dir, *extra, version=version)
     try:
-        yield server.wait_healthy()
+        yield server.wait_up()
     finally:
         server.stop()
 
@@ -76,7 +85,7 @@ class SharedServers:
         if known is not None and known.proc.poll() is not None:  # it died (as SGLang dies) in an earlier test
             self._servers.pop((str(model_dir), version)).stop()
         self.start(model_dir, version)
-        url = self._servers[str(model_dir), version].wait_healthy()
+        url = self._servers[str(model_dir), version].wait_up()
         try:
             control(url, "/_standin/reset", {"flags": list(flags)})
         except urllib.error.HTTPError:

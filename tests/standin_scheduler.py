@@ -28,6 +28,9 @@ re-implemented from the SGLang source it cites (0.5.9's files; where 0.5.23 diff
 - dp ranks (srt/managers/data_parallel_controller.py ``round_robin_scheduler``): each completion goes to the next
   rank in turn, or to ``data_parallel_rank`` / ``routed_dp_rank`` when the request names one; each rank has its own
   model, pool and queues (``--max-total-tokens`` is each rank's pool).
+- Health checks (srt/managers/scheduler.py ``process_input_requests``, ``maybe_send_health_check_signal``): held
+  back while the rank is busy (0.5.9: or has memory released) and answered at its next batch result, else run as
+  a request of their own (standin_tokenizer.py ``Scheduling.health``).
 - 0.5.23's per-token weight versions (srt/utils/weight_versions.py, run from that file): a weight version change
   records, for every live request with output, how many tokens the old version drew; each answer carries the spans.
 """
@@ -118,6 +121,7 @@ class DPRank:
         self.running: list[Req] = []
         self.waiting: list[Req] = []
         self.stepping: list[Req] = []  # the batch of the step under way (cur_batch)
+        self.health_signals = 0  # health checks held back, answered at the next batch result
         self.init_ratio = min(INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness, 1.0)
         self.min_ratio = min(self.init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
         self.new_token_ratio = self.init_ratio
@@ -165,6 +169,9 @@ class DPRank:
                     self.running = [r for r in self.running if r.finish is None]
                     for req in finished:
                         s.finished(req)
+                    if self.health_signals:  # maybe_send_health_check_signal, at every batch result
+                        self.health_signals -= 1
+                        s.last_receive = time.monotonic()
                     s.peak["kv_tokens"] = max(s.peak["kv_tokens"], self.kv_used(self.running + finished))
                     s.lock.notify_all()
             for req in finished:

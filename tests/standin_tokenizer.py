@@ -5,12 +5,16 @@ data_parallel_controller.py; where 0.5.23 differs, its file is named)."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import uuid
 
 import torch
 
 from standin_scheduler import PAUSE_ABORT_POLL_S, HTTPError, Req
+
+HEALTH_POLL_S = 1.0  # health_generate looks at last_receive_tstamp once a second (``await asyncio.sleep(1)``)
+HEALTH_CHECK_RID = "HEALTH_CHECK"  # is_health_check_generate_req: a rid that starts with it
 
 
 class Scheduling:
@@ -160,7 +164,7 @@ class Scheduling:
         req.output_ids.append(token)
         req.logprobs.append([float(lp[token]), token, None])
         with self.lock:
-            self.counts["sampled"] += 1
+            self.counts["sampled"] += not req.rid.startswith(HEALTH_CHECK_RID)  # the counts are the clients' tokens
         if req.to_finish is not None:
             req.finish = req.to_finish
         elif len(req.output_ids) >= req.max_new:
@@ -192,7 +196,9 @@ class Scheduling:
 
     def finished(self, req: Req) -> None:
         """What the answer says of the weights is taken as the request finishes (the scheduler streams it to the
-        tokenizer manager then: srt/managers/scheduler_components/output_streamer.py)."""
+        tokenizer manager then: srt/managers/scheduler_components/output_streamer.py), and the tokenizer manager
+        has received something (``handle_loop`` sets ``last_receive_tstamp``, which /health looks at)."""
+        self.last_receive = time.monotonic()
         req.finish_version = self.weight_version
         versions = self.source.weight_versions
         if versions is not None:
@@ -207,6 +213,46 @@ class Scheduling:
                 versions.record_weight_version_events(rank.running + rank.stepping + rank.waiting,
                                                       old_version=self.weight_version)
         self.weight_version = new_version
+
+    # -- /health ---------------------------------------------------------------------------------------------
+
+    def health(self) -> bool:
+        """``health_generate`` (srt/entrypoints/http_server.py, both releases; /health and /health_generate alike,
+        ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`` being on by default): it sends a one-token greedy generation of
+        ``[0]`` and passes once the tokenizer manager has received anything since (``last_receive_tstamp > tic``),
+        looked at once a second for ``HEALTH_CHECK_TIMEOUT`` seconds; else 503. (SGLang counts a control request's
+        answer received meanwhile too; the stand-in counts finished requests and the scheduler's health signals.)"""
+        tic = time.monotonic()
+        deadline = tic + self.source.health_check_timeout_s
+        threading.Thread(target=self._health_request, args=(deadline,), daemon=True).start()
+        while time.monotonic() < deadline:
+            time.sleep(HEALTH_POLL_S)
+            if self.last_receive > tic:
+                return True
+        return False
+
+    def _health_request(self, deadline: float) -> None:
+        """The check's generation. It waits while the tokenizer manager is paused (``generate_request`` on
+        ``is_pause_cond``; cancelled at the deadline, ``task.cancel()``), goes to a dp rank in turn
+        (``dispatch_health_check``; 0.5.23 keeps a counter of its own for it, not modelled), and there the scheduler
+        holds it back while it is busy (or, in 0.5.9, has memory released: ``SourceFacts.health_check_held_while``),
+        answering it at its next batch result, or runs it as any request (on freed memory, if released)."""
+        with self.lock:
+            while self.is_pause:
+                if time.monotonic() >= deadline:
+                    return
+                self.lock.wait(deadline - time.monotonic())
+            rank, self._next_rank = self.dp_ranks[self._next_rank], (self._next_rank + 1) % len(self.dp_ranks)
+            busy = {"running"} if rank.running or rank.stepping else set()
+            busy |= {"waiting"} if rank.waiting else set()
+            busy |= {"released"} if self.released else set()
+            if busy & self.source.health_check_held_while:
+                rank.health_signals += 1  # return_health_check_ct: sent at its next batch result
+            else:
+                req = Req(f"{HEALTH_CHECK_RID}_{uuid.uuid4().hex}", [0], {"max_new_tokens": 1, "temperature": 0.0},
+                          {}, None)
+                rank.waiting.append(req)
+            self.lock.notify_all()
 
     # -- pause, continue, abort --------------------------------------------------------------------------------
 

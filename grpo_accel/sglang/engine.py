@@ -68,9 +68,12 @@ class SGLangEngine(RolloutEngine):
         max_new_tokens, temperature, top_p, top_k: sampling parameters sent to SGLang.
         api_key: sent as ``Authorization: Bearer <key>`` (the server's ``--api-key``).
         admin_api_key: the servers' ``--admin-api-key``, for ``/abort_request`` (else ``api_key``).
-        health_timeout_s: wait this long for ``/health`` on every server at start; then each server's release
-            is read from ``/server_info`` (which also proves the key) and checked against the supported range,
-            and its context length from ``/v1/models``.
+        health_timeout_s: at start, wait this long for every server's ``/server_info`` (its release, checked
+            against the supported range; the answer also proves the key), then read its context length from
+            ``/v1/models``; before the first generation, this long again for every server's ``/health``. SGLang's
+            health check is a one-token generation, which a server left paused or with its memory released (by a
+            trainer killed before its next push) never runs: the weight sender brings such servers back first
+            (:class:`~grpo_accel.sglang.sender.SGLangSender`), so the engine waits for health only then.
         retries: attempts after the first for 5xx answers, unreachable servers and timeouts (each request on
             its own, aborted on the server first), and for aborts that brought no new token while the server's
             weights stayed the same.
@@ -110,9 +113,9 @@ class SGLangEngine(RolloutEngine):
         self.stop_token_ids = [i for i in stop_token_ids if i != tokenizer.eos_token_id]
         self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
         self.request_size, self.report_every_s = request_size, report_every_s
-        for client in self.clients:
-            client.wait_healthy(health_timeout_s, names=names)
-        self.servers = [api.read_server_info(c) for c in self.clients]
+        self.health_timeout_s, self.names, self._healthy = health_timeout_s, names, False
+        self.servers = [api.ServerInfo.from_json(c.url, c.wait_for("/server_info", health_timeout_s, names=names))
+                        for c in self.clients]  # answered by a paused server too
         self._spans = {i.url for i in self.servers if i.reports_token_versions}  # per-token weight versions
         for info in self.servers:
             info.check_supported()
@@ -160,6 +163,7 @@ class SGLangEngine(RolloutEngine):
     def _run(self, completions: list[_Completion]) -> None:
         """Generate ``completions``: contiguous shares per server, requests of at most ``request_size``, all at
         once; a line every ``report_every_s`` while some are outstanding."""
+        self._wait_healthy()
         n = len(self.clients)
         bounds = [len(completions) * i // n for i in range(n + 1)]
         requests = [(client, completions[a + k : min(a + k + self.request_size, b)])
@@ -177,6 +181,22 @@ class SGLangEngine(RolloutEngine):
                     future.result()  # a request that failed after its retries fails the batch, naming it
                 if pending:
                     self._report(start, [futures[f] for f in pending], len(requests))
+
+    def _wait_healthy(self) -> None:
+        """Before the first generation, every server's ``/health`` answers 200. One that answers ``/server_info``
+        but not ``/health`` is up and does not generate: the error says why and what brings it back."""
+        if self._healthy:
+            return
+        for client in self.clients:
+            try:
+                client.wait_healthy(self.health_timeout_s, names=self.names)
+            except ServerError as exc:
+                raise ServerError(
+                    f"{exc} It answered /server_info, so it is up but does not generate: it is paused, or has memory "
+                    "released (--enable-memory-saver), as a trainer killed between a pause or a release and its next "
+                    "push leaves it. A colocated run started again on its output_dir brings it back from its record "
+                    "(sglang_memory.json); otherwise restart the server.", exc.status) from None
+        self._healthy = True
 
     def _report(self, start: float, outstanding: list[tuple[HTTPClient, list[_Completion]]], total: int) -> None:
         per_server: dict[str, list[int]] = {}

@@ -38,6 +38,7 @@ class ServerMemory:
         self.clients, self.record = clients, None if record is None else Path(record)
         self.instances = {c.url: info.instance for c, info in zip(clients, servers)}
         self.released: dict[str, set[str]] = {c.url: set() for c in clients}
+        self.known: set[str] = set()  # servers the record names: what they hold is known, not assumed
         self._lock = threading.Lock()  # the servers' calls run at once, each writing its record
         self._read()
 
@@ -51,6 +52,8 @@ class ServerMemory:
             return
         for url, instance in self.instances.items():
             entry = entries.get(url) or {}
+            if entry:
+                self.known.add(url)
             tags = set(entry.get("released") or ())
             if not tags:
                 continue

@@ -23,7 +23,8 @@ Colocated servers (``release_memory``): paused with ``retract`` (the server idle
 their KV cache, weights and CUDA graphs are freed; the next push takes back the weights and CUDA graphs, loads the
 weights, takes back the KV cache, and only then lets them generate (SGLang's own order). What each server has
 released is recorded for a restarted trainer (:mod:`grpo_accel.sglang.memory`). A sender that starts aborts what
-the servers still run for a trainer before it, so that nothing keeps them busy.
+the servers still run for a trainer before it, so that nothing keeps them busy, and brings back what that trainer
+left paused or released (``stale``: the trainer pushes before its first collection).
 """
 from __future__ import annotations
 
@@ -92,6 +93,7 @@ class SGLangSender(WeightSender):
             info.check_weight_updates(self.method)
         self._each(*api.abort_all_requests())  # a trainer before this one may have left requests running
         self.memory = ServerMemory(self.clients, self.servers, memory_record)
+        self.stale = any_process(self._bring_back())
         self.bucket_bytes = int(bucket_mb * 2**20)
         self._gather: BucketedGather | None = None
         self.max_attempts, self.verify_tensors = max_attempts, verify_tensors
@@ -99,6 +101,19 @@ class SGLangSender(WeightSender):
         self._probe_needed = False
         self.pushed = 0
         self.last_sync_s = 0.0
+
+    def _bring_back(self) -> bool:
+        """Servers a trainer before this one left paused (killed between a pause and its continue) generate again:
+        those known to hold all their memory (no ``--enable-memory-saver``, or the record of this start of the
+        server says nothing is released) are continued now (harmless on one that runs). Those the record says have
+        memory released stay paused until the first push takes it back in SGLang's order and then continues them:
+        whether any does is returned (the trainer pushes before it collects). A memory saver the record does not
+        name is left alone: continued with memory released, SGLang's health check would fail (0.5.9) or run on
+        freed memory (0.5.23); the engine's health wait says so if it is paused."""
+        for client, info in zip(self.clients, self.servers):
+            if self.memory.holds_all(client.url) and (not info.memory_saver or client.url in self.memory.known):
+                client.post(*api.continue_generation())
+        return not all(self.memory.holds_all(client.url) for client in self.clients)
 
     @property
     def gather(self) -> BucketedGather:

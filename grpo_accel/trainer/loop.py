@@ -137,13 +137,15 @@ class GRPOTrainer:
         With a ``checkpoint`` whose ``resume`` is set, training first continues from it. SIGTERM/SIGINT on
         any process stop every process at the same loop boundary, after a checkpoint; a second signal exits.
         """
-        if self.checkpoint is not None and (path := self.checkpoint.resume_path()) is not None:
+        resumed = self.checkpoint is not None and (path := self.checkpoint.resume_path()) is not None
+        if resumed:
             self._resume(path)
             if self.frames >= self.total_frames:  # a finished run resumed: not one more batch
                 logger.info("nothing to train: %s holds %d of total_frames=%d", path, self.frames, self.total_frames)
                 return
-            if self.weight_sync_sender is not None:  # the engine's weights are unknown to a new process
-                self.weight_sync_sender.push(self.weight_version)
+        sender = self.weight_sync_sender
+        if sender is not None and (resumed or sender.stale):  # the engine's weights are unknown to a new process
+            sender.push(self.weight_version)
         self.hooks.run("pre_train", self)
         self.reporter.start_progress(self.total_frames, self.frames)
         source = BackgroundCollector(self.collector) if self.async_collection else self.collector
