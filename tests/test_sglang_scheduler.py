@@ -4,6 +4,7 @@ and colocated servers that die where SGLang dies; and the client and trainer mak
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -236,6 +237,76 @@ def test_the_standin_dies_where_sglangs_scheduler_dies(model_dir):
             assert server.proc.wait(timeout=10) != 0
         finally:
             server.stop()
+
+
+def health(url: str) -> tuple[int, float]:
+    """GET /health: its status and how long it took."""
+    start = time.monotonic()
+    try:
+        urllib.request.urlopen(url + "/health", timeout=60).read()
+        return 200, time.monotonic() - start
+    except urllib.error.HTTPError as exc:
+        return exc.code, time.monotonic() - start
+
+
+def test_the_standins_health_check_is_sglangs_one_token_generation(model_dir, servers):
+    """/health as SGLang answers it (srt/entrypoints/http_server.py ``health_generate``; when the scheduler holds the
+    check back, srt/managers/scheduler.py ``process_input_requests``): 200 after a generation (a second at least,
+    and no token counted as the clients'), 200 while busy (answered at the next batch result), 503 after
+    SGLANG_HEALTH_CHECK_TIMEOUT while paused; with memory released and not paused, 0.5.9 holds it back (503) and
+    0.5.23 runs it, on freed memory: the server dies."""
+    from standin import HEALTH_CHECK_TIMEOUT_S, StandIn
+
+    timeout = float(HEALTH_CHECK_TIMEOUT_S)
+    for version in VERSIONS:
+        url = servers.get(model_dir, "--enable-memory-saver", "--decode-delay", "0.05", version=version)
+        code, took = health(url)
+        assert code == 200 and 1.0 <= took < 2.0 and counts(url)["sampled"] == 0
+        busy = post_async(url, {"input_ids": [7, 14], "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}})
+        while counts(url)["sampled"] == 0:
+            time.sleep(0.02)
+        assert health(url)[0] == 200 and "answer" not in busy, "held back, answered at the next batch result"
+        busy["thread"].join()
+        control(url, "/pause_generation", {"mode": "retract"})
+        code, took = health(url)
+        assert code == 503 and timeout <= took < timeout + 1.5, "a paused server does not run it"
+        control(url, "/release_memory_occupation", {"tags": ["kv_cache", "weights", "cuda_graph"]})
+        assert health(url)[0] == 503
+        control(url, "/continue_generation", {})
+        if version == "0.5.9":
+            assert health(url)[0] == 503, "0.5.9 holds it back while memory is released"
+        else:  # 0.5.23 runs it on the freed KV cache and weights: the scheduler dies, and the server with it
+            server = StandIn(model_dir, "--enable-memory-saver", version=version)
+            url = server.wait_up()
+            try:
+                control(url, "/release_memory_occupation", {"tags": ["kv_cache"]})
+                with pytest.raises(OSError):
+                    health(url)
+                assert server.proc.wait(timeout=10) != 0
+            finally:
+                server.stop()
+
+
+def test_a_paused_released_server_without_a_record_is_one_line_with_the_fix(model_dir, servers, tokenizer,
+                                                                          accelerator):
+    """A colocated server left paused with memory released by someone this run has no record of: the sender
+    cannot know what to resume (resuming a tag it holds kills it), so it leaves it alone, and the engine's wait
+    for health ends in one line that says what the server is and what brings it back."""
+    from transformers import AutoModelForCausalLM
+
+    url = servers.get(model_dir, "--enable-memory-saver")
+    control(url, "/pause_generation", {"mode": "retract"})
+    control(url, "/release_memory_occupation", {"tags": ["kv_cache", "weights", "cuda_graph"]})
+    sender = distributed_sender(accelerator, AutoModelForCausalLM.from_pretrained(model_dir), [url])
+    assert not sender.stale and counts(url)["released"] == sorted(["kv_cache", "weights", "cuda_graph"])
+    engine = SGLangEngine([url], tokenizer, max_new_tokens=2, health_timeout_s=1)
+    with pytest.raises(ServerError) as caught:
+        engine.generate([[7, 14]], 2)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"SGLang server {url} did not answer /health within 1 s")
+    assert "it is paused, or has memory released" in message and "otherwise restart the server" in message
+    assert ("/continue_generation", {}) not in server_state(url)["requests"], "it was left alone"
+    sender.close()
 
 
 def test_a_released_memory_record_is_read_back_only_for_the_same_start_of_a_server(model_dir, servers, tmp_path):

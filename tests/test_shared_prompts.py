@@ -91,6 +91,36 @@ def test_shared_prompts_give_the_padded_logprobs_entropy_and_gradients(tokenizer
     _assert_same_gradients(ga, gb)
 
 
+def _norm_in_weight_dtype(self, hidden):
+    """RMSNorm computed in its weight's dtype (transformers' Llama and Qwen2 norms compute in float32 always)."""
+    return self.weight * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+@pytest.mark.parametrize("build", [build_tiny_model, build_tiny_qwen2], ids=["llama", "qwen2"])
+def test_the_shared_path_adds_no_float32_step_of_its_own(tokenizer, build, monkeypatch):
+    """In float64 the shared-prompt gradient differs from the padded one by float32's precision (above) because
+    transformers' RMSNorm casts its input to float32 whatever the model's dtype: rows laid out otherwise differ in
+    the last bits of float64 before the norm, and the float32 rounding there turns that into ~1e-7. With the norm
+    computed in the model's dtype, the two paths agree to a few float64 ulps of the largest gradient (measured:
+    4.9e-16 of it for the Llama, the padded path itself being 6.6e-16 of it from a one-row-at-a-time oracle):
+    nothing in the shared path (its 4-D mask, its gathers, the tied embedding's gradient) computes in float32."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    for norm in (LlamaRMSNorm, Qwen2RMSNorm):
+        monkeypatch.setattr(norm, "forward", _norm_in_weight_dtype)
+    model = build(tokenizer, seed=0).double()
+    inputs = _grouped_batch(model.config.vocab_size, [5, 2, 7], [6, 1, 4, 0, 6, 3, 2, 6, 5, 1, 4, 6], group=4)
+    grads = []
+    for forward in (None, _forward_at(4)):
+        model.zero_grad()
+        logp = sequence_logprobs(model, *inputs, temperature=0.7, forward=forward)
+        (logp * torch.linspace(-1, 1, logp.numel(), dtype=logp.dtype).view_as(logp)).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    padded, shared = grads
+    assert float((shared - padded).abs().max()) <= 8 * torch.finfo(torch.float64).eps * float(padded.abs().max())
+
+
 def test_eager_attention_gradient_checkpointing_and_one_token_completions(tokenizer):
     model = build_tiny_model(tokenizer, seed=0).double()
     model.config._attn_implementation = "eager"  # an additive mask of the model's dtype
