@@ -97,14 +97,17 @@ def configure_deepspeed_for(accelerator, model, *, micro_batch: int, accumulatio
 
 def resolve_deepspeed_file() -> str | None:
     """The launch's DeepSpeed file (``ACCELERATE_DEEPSPEED_CONFIG_FILE``) as a path that exists from here, or
-    None without one. A relative path that is not there from the current folder but names one of the checkout's
-    own files (``ds_configs/zero2.json``) becomes that file's absolute path, in the environment too: the
-    Accelerator reads it there. Done by :func:`make_accelerator`, which the launcher and the Python API share."""
+    None without one. A relative path that is not there from the current folder but names one of the shipped files
+    (``ds_configs/zero2.json``, :mod:`grpo_accel.shipped`) becomes that file's absolute path, in the environment
+    too: the Accelerator reads it there. Done by :func:`make_accelerator`, which the launcher and the Python API
+    share."""
     path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if not path or path.lower() == "none":
         return None
-    shipped = Path(__file__).resolve().parents[1] / path
-    if not Path(path).is_absolute() and not Path(path).exists() and shipped.is_file():
+    from grpo_accel.shipped import shipped_deepspeed_file
+
+    shipped = shipped_deepspeed_file(path)
+    if not Path(path).is_absolute() and not Path(path).exists() and shipped is not None:
         path = os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(shipped)
     return path
 

@@ -106,15 +106,20 @@ README_RUNS_ELSEWHERE = {"ddp.yaml": "test_distributed.py", "zero1.yaml": "test_
                          "zero3_offload.yaml": "test_distributed.py", "zero0.yaml": "test_episode_runs.py"}
 
 
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs" / "pages").rglob("*.md"))]
+"""Where the commands a user is shown live: the README and the documentation's pages."""
+
+
 def readme_commands() -> list[str]:
-    """The commands of README.md's bash blocks: continuations joined, comments dropped."""
+    """The commands of the README's and the docs' bash blocks, each once: continuations joined, comments dropped."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S):
-        for command in block.replace("\\\n", " ").splitlines():
-            command = re.sub(r"\s+#.*$", "", command).strip()
-            if command and not command.startswith("#"):
-                commands.append(re.sub(r"\s+", " ", command))
-    return commands
+    for document in DOCUMENTS:
+        for block in re.findall(r"```bash\n(.*?)```", document.read_text(), re.S):
+            for command in block.replace("\\\n", " ").splitlines():
+                command = re.sub(r"\s+#.*$", "", command).strip()
+                if command and not command.startswith("#"):
+                    commands.append(re.sub(r"\s+", " ", command))
+    return list(dict.fromkeys(commands))
 
 
 def run_as_written(command: str, script_args: list[str], *, timeout: float = 300,

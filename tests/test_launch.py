@@ -212,8 +212,8 @@ def test_help_lists_every_key_with_its_default(monkeypatch, capsys):
         main(["--help"])
     assert done.value.code == 0
     out = capsys.readouterr().out
-    for line in ("  output_dir=\"runs/default\"", "  overwrite=false", "  trainer.total_frames=128000",
-                 "  trainer.micro_batch_completions=\"auto\"", "  weight_sync.timeout_s=600.0"):
+    for line in ("  output_dir=\"runs/default\"  (str)", "  overwrite=false  (bool)", "  trainer.total_frames=128000  (int)",
+                 "  trainer.micro_batch_completions=\"auto\"  (int | Literal['auto'])", "  weight_sync.timeout_s=600.0  (float)"):
         assert line in out.splitlines(), out[-3000:]
 
 

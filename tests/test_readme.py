@@ -1,4 +1,5 @@
-"""Every shell command in README.md runs as written here, or is named below with the reason it cannot.
+"""Every shell command in README.md and the docs' pages runs as written here, or is named below with the reason it
+cannot; the README's reward module trains as shown; the README's picture is ``grpo-accel report``'s.
 
 Commands that train get a temporary ``output_dir``, ``trainer.total_frames=256`` and no progress bar appended;
 nothing else is changed, so the README cannot drift from what works. The training commands of the configs in
@@ -36,7 +37,9 @@ ELSEWHERE = {  # how a command starts -> why it does not run in this suite, and 
         "runs the same conversion once per machine",
     ".venv/bin/accelerate launch --config_file accelerate_configs/single_process.yaml launch/train.py "
     "model.name_or_path=Qwen/": "a hub model and a file of the user's; tests/test_user_path.py trains SmolLM2 on a "
-        "file given this way",
+        "file given this way, and test_the_readmes_reward_module_trains_as_shown below the README's reward module",
+    "grpo-accel ": "the installed command: tests/test_cli.py builds the wheel, installs it in a fresh venv and runs "
+        "train (one process, ZeRO-2 by name), export, configs and report from an empty folder",
     ".venv/bin/accelerate launch --config_file accelerate_configs/single_process.yaml launch/train.py --config "
     "launch/configs/gsm8k.yaml": "needs the hub (Qwen2.5-0.5B-Instruct, openai/gsm8k) and a GPU; "
         "tests/test_user_path.py runs the file on SmolLM2 and GSM8K-layout rows at a tiny scale",
@@ -80,3 +83,35 @@ def test_readme_training_command_runs_as_written(command, tmp_path):
 
     # the cores split over the processes, not accelerate launch's OMP_NUM_THREADS=1 (one core for one process)
     assert summary["torch_threads"] == max(1, available_cores() // summary["num_processes"]), summary
+
+
+def test_the_readmes_reward_module_trains_as_shown(tmp_path, model_dir):
+    """The README's reward module, written as shown into the folder a run starts from, and its command with the
+    built-in model's folder for the hub model (and a short run): it imports, scores and trains."""
+    from launching import ROOT, run_in_group
+
+    readme = (ROOT / "README.md").read_text()
+    module = re.search(r"```python\n(# my_reward\.py.*?)```", readme, re.S).group(1)
+    (tmp_path / "my_reward.py").write_text(module)
+    command = next(c for c in readme_commands() if "my_reward:" in c)
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(5) for b in range(5)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = command.split(" launch/train.py ", 1)[1].replace("Qwen/Qwen2.5-0.5B-Instruct", str(model_dir))
+    proc = run_in_group(["bash", "-c", f"{ROOT}/.venv/bin/python {ROOT}/launch/train.py {args} output_dir=run "
+                         "trainer.total_frames=256 trainer.progress_bar=false rollout.max_new_tokens=4 optim.lr=3e-4"],
+                        cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    from grpo_accel.reporting.tracking import read_scalars
+
+    rewards = read_scalars(tmp_path / "run" / "tensorboard")["train/reward/my_reward:right_and_brief_mean"]
+    assert len(rewards) == 2 and all(-1 <= v <= 1 for _, v in rewards)
+
+
+def test_the_readmes_picture_is_the_reports():
+    """The figure the README shows is a PNG that ``grpo-accel report`` wrote (matplotlib's signature in it);
+    test_cli.py checks what report draws."""
+    from launching import ROOT
+
+    picture = re.search(r"!\[[^]]*\]\((docs/pages/assets/[^)]+\.png)\)", (ROOT / "README.md").read_text()).group(1)
+    data = (ROOT / picture).read_bytes()
+    assert data.startswith(b"\x89PNG") and b"Matplotlib" in data

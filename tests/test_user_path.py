@@ -209,8 +209,8 @@ def test_a_trl_name_gets_the_hint_in_one_line():
         load_config(None, ["trainer.logging_steps=10"])
 
 
-def test_the_readme_shows_the_trl_table():
-    readme = (ROOT / "README.md").read_text()
+def test_the_docs_show_the_trl_table():
+    readme = (ROOT / "docs" / "pages" / "coming-from-trl.md").read_text()
     for name, here in TRL_NAMES.items():
         assert f"| `{name}` | {f'`{here.key}`' if here.key else '—'} |" in readme, name
 

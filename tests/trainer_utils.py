@@ -20,6 +20,10 @@ def reset_accelerate_state():
     GradientState._reset_state()
 
 
+CLI_MODULES = {"train": "grpo_accel.cli.train", "reward_server": "grpo_accel.cli.reward_server"}
+"""launch/ scripts whose code is the installed command's (launch/<script>.py is a thin script over the module)."""
+
+
 def main_in_process(script: str, argv: list[str], **replaced) -> int:
     """``python launch/<script>.py *argv`` in this process (a one-process run without the ~4 s of a launch's
     imports), with the script's attributes in ``replaced`` swapped for the call. The scripts set torch's threads
@@ -31,7 +35,7 @@ def main_in_process(script: str, argv: list[str], **replaced) -> int:
     threads = torch.get_num_threads()
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(ROOT / "launch"))
-        module = importlib.import_module(script)
+        module = importlib.import_module(CLI_MODULES.get(script, script))
         for name, value in replaced.items():
             patch.setattr(module, name, value)
         try:

@@ -20,7 +20,8 @@ class RolloutConfig:
     """SGLang: the servers' --api-key, sent as a bearer token (/generate, /server_info; weight endpoints too when
     the servers have no --admin-api-key)."""
     health_timeout_s: float = 300.0
-    """SGLang: how long to wait for /health on every server at start."""
+    """SGLang: how long to wait for every server at start (its /server_info), and again for its /health (a
+    one-token generation) before the first batch."""
     request_retries: int = 3
     """SGLang: retries (exponential backoff) of one request for 5xx answers, unreachable servers and timeouts,
     and aborts that brought no token (an abort with tokens is continued, never counted)."""

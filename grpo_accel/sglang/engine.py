@@ -39,6 +39,10 @@ from grpo_accel.sglang import api
 
 logger = logging.getLogger(__name__)
 
+HEALTH_ANSWER_S = 60.0
+"""How long one ``GET /health`` may take: SGLang runs a generation and answers 503 after ``HEALTH_CHECK_TIMEOUT``
+(``SGLANG_HEALTH_CHECK_TIMEOUT``, 20 s by default; srt/entrypoints/http_server.py)."""
+
 
 @dataclass
 class _Completion:
@@ -188,8 +192,8 @@ class SGLangEngine(RolloutEngine):
         if self._healthy:
             return
         for client in self.clients:
-            try:
-                client.wait_healthy(self.health_timeout_s, names=self.names)
+            try:  # SGLang answers within HEALTH_CHECK_TIMEOUT (20 s by default), whatever request_timeout_s is
+                HTTPClient(client.url, timeout_s=HEALTH_ANSWER_S).wait_healthy(self.health_timeout_s, names=self.names)
             except ServerError as exc:
                 raise ServerError(
                     f"{exc} It answered /server_info, so it is up but does not generate: it is paused, or has memory "

@@ -1,0 +1,97 @@
+"""The ``grpo-accel`` command (pyproject.toml ``[project.scripts]``): one entry, a subcommand per job.
+
+    grpo-accel train [--accelerate-config NAME|FILE] [--num-processes N] [--config NAME|FILE] [key=value ...]
+    grpo-accel export CHECKPOINT OUT [--dtype D] [--adapter]
+    grpo-accel models NAME OUT
+    grpo-accel reward-server --reward NAME [--config F] [--port P] [key=value ...]
+    grpo-accel report RUN_DIR [RUN_DIR ...] [--out DIR]
+    grpo-accel configs
+
+``train`` without ``--accelerate-config`` runs one process here; with one (a shipped name such as ``zero3``, or a
+file) it hands the run to ``accelerate launch`` with that config, which starts the processes. Each subcommand's
+``--help`` says the rest.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+SUBCOMMANDS = {
+    "train": "train a policy with GRPO (one process, or several under --accelerate-config)",
+    "export": "a checkpoint as a Hugging Face model folder",
+    "models": "a pretrained model the package registry ships, as a Hugging Face folder",
+    "reward-server": "serve one reward of a config over HTTP",
+    "report": "draw runs' curves (PNG) and a summary (Markdown) from their event files",
+    "configs": "list the shipped accelerate configs and recipes by name",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in SUBCOMMANDS:
+        parser = argparse.ArgumentParser(prog="grpo-accel", description=__doc__,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser.add_argument("command", choices=sorted(SUBCOMMANDS), help="; ".join(f"{k}: {v}" for k, v in
+                                                                                SUBCOMMANDS.items()))
+        parser.parse_args(argv[:1])  # --help, or an unknown command: argparse says so and exits
+        return 2
+    command, rest = argv[0], argv[1:]
+    sys.argv[0] = f"grpo-accel {command}"  # each subcommand's usage line
+    if command == "train":
+        return train(rest)
+    if command == "export":
+        from grpo_accel.recipe.export import main as export
+
+        return export(rest)
+    if command == "models":
+        from grpo_accel.recipe.models import main as models
+
+        return models(rest)
+    if command == "reward-server":
+        from grpo_accel.cli.reward_server import main as serve
+
+        return serve(rest)
+    if command == "report":
+        from grpo_accel.reporting.report import main as report
+
+        return report(rest)
+    from grpo_accel import shipped
+
+    for kind in ("accelerate", "recipe"):
+        print(f"{shipped.FLAGS[kind]}: {' '.join(shipped.names(kind))}   ({shipped.folder(kind)})")
+    return 0
+
+
+def train(argv: list[str]) -> int:
+    """``grpo-accel train``: in this process, or under ``accelerate launch -m grpo_accel.cli.train`` when an
+    accelerate config is named (this process becomes the launcher)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--accelerate-config")
+    parser.add_argument("--num-processes", type=int)
+    ours, rest = parser.parse_known_args(argv)
+    if ours.accelerate_config is None:
+        if ours.num_processes not in (None, 1):
+            print("error: --num-processes needs --accelerate-config (e.g. --accelerate-config ddp)", file=sys.stderr)
+            return 2
+        from grpo_accel.cli.train import script_main
+
+        script_main(rest)  # exits
+    from grpo_accel.errors import UserError
+    from grpo_accel.shipped import find
+
+    try:
+        config = find("accelerate", ours.accelerate_config)
+        if not config.is_file():
+            raise FileNotFoundError(f"--accelerate-config {ours.accelerate_config!r}: no such file")
+    except (UserError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    launch += ["--num_processes", str(ours.num_processes)] if ours.num_processes else []
+    os.execv(sys.executable, [*launch, "-m", "grpo_accel.cli.train", *rest])
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

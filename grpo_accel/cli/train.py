@@ -1,0 +1,188 @@
+"""GRPO training: a config becomes a trainer (:func:`grpo_accel.recipe.build.build_trainer`: tokenizer, model,
+data, engine, rewards, loss, optimizer), which trains; this adds the command line, the console, the run
+folder's lock, the summary and one-line errors.
+
+    grpo-accel train [--accelerate-config NAME|FILE] [--config NAME|FILE] [key=value ...]
+    accelerate launch --config_file accelerate_configs/single_process.yaml launch/train.py [--config F] [key=value ...]
+
+``--config`` takes a YAML file or a shipped recipe by name (``grpo-accel train --list``).
+
+With no model named, this trains the built-in tiny Llama (random weights) on the built-in addition task.
+Outputs in ``output_dir``: config.yaml (resolved), tensorboard/ (event files), checkpoints/, summary.json.
+``checkpoint.resume=auto`` continues from the newest complete checkpoint; SIGTERM/SIGINT checkpoint and exit 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(1, str(Path.cwd()))  # reward functions named `module:function` may live where the run starts
+
+import yaml
+
+from grpo_accel.distributed import first_process
+from grpo_accel.errors import UserError
+from grpo_accel.recipe.loading import load_config, to_dict
+from grpo_accel.recipe.run_folder import RunFinished, RunFolderLock
+from grpo_accel.recipe.schema import GRPOConfig
+
+log = logging.getLogger("grpo_accel.train")
+
+
+def write_config(out: Path, cfg: GRPOConfig) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def quiet_console() -> None:
+    """Our log lines; each warning once per process (DeepSpeed's ZeRO-3 collectives raised torch's deprecation
+    warning ~40 times per batch); Accelerate's per-checkpoint INFO lines dropped (we log one line per checkpoint).
+    ``python -W``/``PYTHONWARNINGS`` still win."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if not sys.warnoptions:
+        warnings.showwarning = shown_once(warnings.showwarning)
+    for name in ("accelerate.accelerator", "accelerate.checkpointing"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # Every checkpoint of a tied-embedding model said "Removed shared tensor {'policy.lm_head.weight'} while
+    # saving": the tie is expected, and the weight comes back tied.
+    logging.getLogger("accelerate.utils.other").addFilter(lambda r: "Removed shared tensor" not in r.getMessage())
+
+
+def shown_once(showwarning):
+    """``showwarning`` for each (text, category) once. The "once" filter cannot do it: every change to the
+    filters (each ``warnings.catch_warnings`` block, which torch and DeepSpeed enter per step) clears its memory."""
+    seen = set()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if (key := (str(message), category)) not in seen:
+            seen.add(key)
+            showwarning(message, category, filename, lineno, file, line)
+
+    return show
+
+
+def main(argv: list[str] | None = None) -> int:
+    from grpo_accel.recipe.reference import help_text
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=help_text())
+    parser.add_argument("--config", help="YAML config file, or a shipped recipe's name, e.g. dapo (default: the "
+                                         "built-in embedded run)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_frames=256")
+    args = parser.parse_args(argv)
+    quiet_console()
+    from grpo_accel.runtime import configure_threads, keep_freed_memory
+
+    from grpo_accel.shipped import find
+
+    cfg = load_config(args.config and find("recipe", args.config), args.overrides)
+    configure_threads()
+    keep_freed_memory()
+    start = time.perf_counter()
+    lock = RunFolderLock(cfg.output_dir) if first_process() else None
+    if lock is not None:
+        lock.acquire()  # before anything is read or written there: one run per folder
+    try:
+        return run(cfg, start)
+    except RunFinished as done:  # the command of a finished run, again: nothing to do, nothing touched
+        log.info("%s", done)
+        return 0
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def run(cfg: GRPOConfig, start: float) -> int:
+    from grpo_accel.recipe.build import build_trainer, close_parts, summarize
+
+    trainer = build_trainer(cfg)
+    out = Path(cfg.output_dir)
+    main_process = trainer.accelerator.is_main_process
+    # A resume can still fail (checkpoint checks run in train()): its config.yaml is written once it has run, so a
+    # failed resume changes nothing in the run folder.
+    resuming = trainer.checkpoint is not None and trainer.checkpoint.resume_path() is not None
+    if main_process and not resuming:
+        write_config(out, cfg)
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    try:
+        with logging_redirect_tqdm():  # log lines print above the progress bar, which stays one line
+            trainer.train()
+    finally:
+        close_parts(trainer)
+    trainer.accelerator.wait_for_everyone()
+    if main_process:
+        if resuming:
+            write_config(out, cfg)
+        summary = summarize(trainer, time.perf_counter() - start)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        log.info("summary: %s", json.dumps(summary))
+        saved = trainer.checkpoint.complete() if trainer.checkpoint is not None else []
+        log.info("%s", human_summary(summary, trainer.frames, saved[-1] if saved else None, out))
+        if trainer.stop_reason is not None and saved:
+            log.warning("stopped (%s) after %d frames, saved in %s; to continue, run the same command with "
+                        "checkpoint.resume=auto", trainer.stop_reason, trainer.frames, saved[-1])
+    trainer.accelerator.end_training()
+    return 0
+
+
+def human_summary(summary: dict, frames: int, checkpoint: Path | None, out: Path) -> str:
+    """The end of a run in a few lines for a person (the JSON line above is for scripts)."""
+    return "\n".join([
+        f"done: {frames} frames (completions) in {summary['final_iteration']} batches; this run {summary['wall_time_s']:.1f} s",
+        f"  reward: {summary['reward_first10_mean']:.3f} (first 10 batches) -> {summary['reward_last10_mean']:.3f} "
+        "(last 10)",
+        f"  final checkpoint: {checkpoint if checkpoint is not None else 'none'}",
+        *([f"  curves: tensorboard --logdir {out / 'tensorboard'}"] if (out / "tensorboard").is_dir() else [])])
+
+
+def main_reporting_errors(argv: list[str] | None = None) -> int:
+    """``main()``; a :class:`~grpo_accel.errors.UserError` becomes one line on stderr and exit code 2 instead of a traceback
+    per process. Before the process group exists every process meets the same error, so rank 0 alone says it
+    (the others wait a moment, so that rank 0's is the first failure); after, each failing process says it with
+    its rank. Under torchrun the line also goes to the agent's error file, so the launcher's failure report shows
+    it instead of a pointer to the docs. Other errors keep their traceback."""
+    from grpo_accel.trainer.hooks import HookError
+
+    try:
+        try:
+            return main(argv)
+        except HookError as err:  # e.g. a user hook (evaluation) meeting a bad setting or file
+            if isinstance(err.__cause__, UserError):
+                raise err.__cause__ from None
+            raise
+    except UserError as err:
+        import torch.distributed as dist
+
+        from grpo_accel.distributed import launch_world_size
+
+        world = launch_world_size()
+        grouped = dist.is_available() and dist.is_initialized() and world > 1
+        line = f"error (rank {os.environ.get('RANK', '0')} of {world}): {err}" if grouped else f"error: {err}"
+        if first_process() or grouped:
+            logging.shutdown()  # pending log lines first: this one stays last
+            print(line, file=sys.stderr, flush=True)
+        if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+        if not grouped and not first_process():
+            time.sleep(3)  # rank 0 fails first and says it: the launcher stops the others at the first failure
+        return 2
+
+
+def script_main(argv: list[str] | None = None) -> None:
+    """The process's whole life: :func:`main_reporting_errors`, then exit (skipping a teardown that can hang)."""
+    from grpo_accel.runtime import exit_skipping_teardown, terminal_foreground
+
+    with terminal_foreground():  # Ctrl-C reaches the trainer alone, not Accelerate's launcher too
+        code = main_reporting_errors(argv)
+    exit_skipping_teardown(code)
+
+
+if __name__ == "__main__":  # accelerate launch -m grpo_accel.cli.train
+    script_main()

@@ -1,0 +1,34 @@
+"""The documentation site builds with warnings as errors, and its configuration reference is the schema's text,
+the same that ``grpo-accel train --help`` prints."""
+import re
+import subprocess
+import sys
+
+import pytest
+
+from launching import ROOT
+
+
+def test_the_site_builds_with_warnings_as_errors(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "docs" / "mkdocs.yml"),
+                           "-d", str(tmp_path / "site")], capture_output=True, text=True, timeout=600,
+                          env={"NO_MKDOCS_2_WARNING": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    from grpo_accel.recipe.reference import keys
+
+    page = (tmp_path / "site" / "reference" / "configuration" / "index.html").read_text()
+    missing = [k.name for k in keys() if f"<code>{k.name}</code>" not in page]
+    assert not missing and len(keys()) > 100, missing
+    api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text()
+    assert "GRPOTrainer" in api and "total_frames" in api, "the trainer's docstring, rendered"
+
+
+def test_help_prints_every_key_with_its_type_default_and_meaning(capsys):
+    from grpo_accel.cli.train import main
+    from grpo_accel.recipe.reference import keys
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = re.sub(r"\s+", " ", capsys.readouterr().out)
+    for key in keys():
+        assert f"{key.name}={key.default} ({key.type}) {' '.join(key.meaning.split())}" in text, key.name
