@@ -148,7 +148,7 @@ def launch(config: str, script_args: list[str], *, timeout: float = 300, expect_
            script: tuple[str, ...] = (str(ROOT / "launch" / "train.py"),),
            prefix: list[str] = (), cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """``accelerate launch --config_file accelerate_configs/<config> <script> <script_args>``; the script is
-    launch/train.py unless given (e.g. ``("launch/bench.py",)``); ``prefix`` runs it elsewhere (another network
+    launch/train.py unless given (e.g. ``("launch/bench/bench.py",)``); ``prefix`` runs it elsewhere (another network
     namespace: tests/netns.py), ``cwd`` from another folder."""
     cmd = [*prefix, *ACCELERATE, "--config_file", str(ROOT / "accelerate_configs" / config),
            "--main_process_port", str(free_port()), *launcher_args, *script, *script_args]

@@ -1,6 +1,6 @@
 """The benchmark runs and reports every number it promises (values are not judged here: it is not a test of speed).
 
-One-process runs call launch/bench.py's ``main`` in this process (a subprocess adds only ~4 s of imports); the
+One-process runs call launch/bench/bench.py's ``main`` in this process (a subprocess adds only ~4 s of imports); the
 multi-process run is a real ``accelerate launch``."""
 import json
 import re
@@ -12,7 +12,7 @@ import pytest
 from launching import ROOT, launch
 from trainer_utils import main_in_process
 
-BENCH = str(ROOT / "launch" / "bench.py")
+BENCH = str(ROOT / "launch" / "bench" / "bench.py")
 SMALL = ["--size", "1m", "--steps", "2", "--warmup", "1", "--prompts", "2", "--group", "4", "--max-new-tokens", "8",
          "--micro-batch", "4"]
 ITEMS = {"old logprobs from the rollout", "no reference pass at kl_coef=0", "micro-batch trimmed to its longest row",
@@ -33,7 +33,7 @@ def check_result(result: dict, processes: int) -> None:
 
 
 def bench(capsys, tmp_path, *args) -> tuple[dict, str]:
-    """launch/bench.py's ``main(args)`` in this process: its JSON result and what it printed."""
+    """launch/bench/bench.py's ``main(args)`` in this process: its JSON result and what it printed."""
     out = tmp_path / "bench.json"
     assert main_in_process("bench", [*args, "--out", str(out)]) == 0
     return json.loads(out.read_text()), capsys.readouterr().out
@@ -101,7 +101,7 @@ def test_loop_times_whole_iterations_of_each_variant(tmp_path, capsys):
 
 
 def test_items_refuse_several_processes(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    monkeypatch.syspath_prepend(str(ROOT / "launch" / "bench"))
     from bench import main
 
     monkeypatch.setenv("WORLD_SIZE", "2")  # what accelerate launch sets in each of 2 processes
@@ -112,23 +112,23 @@ def test_items_refuse_several_processes(monkeypatch):
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_gpu_check_script_refuses_without_a_gpu():
     def run(*args):
-        return subprocess.run(["bash", str(ROOT / "launch" / "gpu_check.sh"), *args], capture_output=True, text=True,
+        return subprocess.run(["bash", str(ROOT / "launch" / "bench" / "gpu_check.sh"), *args], capture_output=True, text=True,
                               env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"}, timeout=120)
 
     bench, sglang, other = run("bench"), run("sglang"), run("nonsense")
     for needs_cuda in (bench, run("gsm8k"), run("shared")):
         assert needs_cuda.returncode != 0 and "no CUDA device" in needs_cuda.stderr
     assert sglang.returncode != 0 and "FAIL  no GPU (nvidia-smi lists none)" in sglang.stdout
-    assert other.returncode == 2 and "usage: bash launch/gpu_check.sh bench|sglang|gsm8k|shared" in other.stderr
+    assert other.returncode == 2 and "usage: bash launch/bench/gpu_check.sh bench|sglang|gsm8k|shared" in other.stderr
 
 
 def test_the_trl_comparison_reads_a_runs_steps_from_its_event_files(tmp_path, monkeypatch):
-    """launch/trl_parity.py times the README's command by the wall times of its TensorBoard events."""
+    """launch/bench/trl_parity.py times the README's command by the wall times of its TensorBoard events."""
     import time
 
     from grpo_accel.reporting.tracking import TensorBoardLogger
 
-    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    monkeypatch.syspath_prepend(str(ROOT / "launch" / "bench"))
     from trl_parity import step_gaps
 
     logger = TensorBoardLogger(tmp_path)
@@ -141,14 +141,14 @@ def test_the_trl_comparison_reads_a_runs_steps_from_its_event_files(tmp_path, mo
 
 
 def test_the_overlap_table_reads_each_batch_from_its_event_files(tmp_path, monkeypatch):
-    """launch/overlap.py: a step is the gap between two iterations' logs, training is the iteration less its
+    """launch/bench/overlap.py: a step is the gap between two iterations' logs, training is the iteration less its
     push, the overlap is the median of step / max(generation, training), the push's share the median of push /
     step; the warmup's batches are left out."""
     import time
 
     from grpo_accel.reporting.tracking import TensorBoardLogger
 
-    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    monkeypatch.syspath_prepend(str(ROOT / "launch" / "bench"))
     from overlap import batch_times, summary
 
     logger = TensorBoardLogger(tmp_path)
@@ -168,10 +168,10 @@ def test_the_overlap_table_reads_each_batch_from_its_event_files(tmp_path, monke
 
 
 def test_the_overlap_measurement_runs_each_mode_and_transport(tmp_path):
-    """launch/overlap.py end to end, small: the README's command against a fresh --kv-cache stand-in, synchronous
+    """launch/bench/overlap.py end to end, small: the README's command against a fresh --kv-cache stand-in, synchronous
     and asynchronous, pushing over a gloo group and through the disk; every batch pushed weights."""
     out = tmp_path / "overlap.json"
-    run = subprocess.run([sys.executable, str(ROOT / "launch" / "overlap.py"), "--steps", "2", "--warmup", "1",
+    run = subprocess.run([sys.executable, str(ROOT / "launch" / "bench" / "overlap.py"), "--steps", "2", "--warmup", "1",
                           "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -189,7 +189,7 @@ def test_the_trl_comparison_runs_the_readme_command_from_a_baseline_checkout(tmp
     import os
     from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    monkeypatch.syspath_prepend(str(ROOT / "launch" / "bench"))
     import trl_parity
 
     command = trl_parity.readme_command("m", tmp_path / "out", 3, root=tmp_path)

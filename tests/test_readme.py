@@ -22,17 +22,17 @@ ELSEWHERE = {  # how a command starts -> why it does not run in this suite, and 
     "python tests/sglang_standin.py": "a measurement recipe with placeholders (M, B, L); tests/test_sglang_runs.py runs it",
     "accelerate launch --config_file accelerate_configs/zero3.yaml launch/train.py model.name_or_path=M":
         "the second half of that measurement recipe",
-    ".venv/bin/python launch/bench.py": "minutes at 10m parameters; tests/test_bench.py runs the benchmark small",
-    ".venv/bin/accelerate launch --config_file accelerate_configs/zero3.yaml launch/bench.py":
+    ".venv/bin/python launch/bench/bench.py": "minutes at 10m parameters; tests/test_bench.py runs the benchmark small",
+    ".venv/bin/accelerate launch --config_file accelerate_configs/zero3.yaml launch/bench/bench.py":
         "minutes under ZeRO-3; tests/test_bench.py runs the benchmark under zero3.yaml small",
-    "GRPO_ACCEL_THREADS=1 .venv/bin/python launch/bench.py": "2 variants x 3 rounds x 60 steps; tests/test_bench.py "
+    "GRPO_ACCEL_THREADS=1 .venv/bin/python launch/bench/bench.py": "2 variants x 3 rounds x 60 steps; tests/test_bench.py "
         "runs --loop small, the launcher row included",
-    "PYTHONPATH=. .venv/bin/python launch/trl_parity.py": "needs TRL in an environment of its own (not a "
+    "PYTHONPATH=. .venv/bin/python launch/bench/trl_parity.py": "needs TRL in an environment of its own (not a "
         "dependency); its grpo_accel half is the README's training command (run here) and bench --loop (run small "
         "in tests/test_bench.py, which also reads step times from event files as it does)",
-    "PYTHONPATH=. .venv/bin/python launch/overlap.py": "4 runs of the README's command against stand-ins (minutes "
+    "PYTHONPATH=. .venv/bin/python launch/bench/overlap.py": "4 runs of the README's command against stand-ins (minutes "
         "at 135M); tests/test_bench.py runs it small and checks its arithmetic on event files of known times",
-    "bash launch/gpu_check.sh": "needs a GPU; tests/test_bench.py checks that it refuses without one",
+    "bash launch/bench/gpu_check.sh": "needs a GPU; tests/test_bench.py checks that it refuses without one",
     ".venv/bin/python -m grpo_accel.models smollm2-135m": "downloads 93 MB; tests/conftest.py's smollm2 fixture "
         "runs the same conversion once per machine",
     ".venv/bin/accelerate launch --config_file accelerate_configs/single_process.yaml launch/train.py "

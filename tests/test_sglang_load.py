@@ -54,7 +54,7 @@ def test_pushes_during_generation_lose_no_token_and_each_token_keeps_its_weights
     rollout (retract: the server keeps them; abort: they come back cut short and are continued); a row records
     the oldest and newest weights of its tokens, and every token's logprob is that of one of those versions. 0.5.23
     says which version drew each token (meta_info.weight_versions), so the engine reads /model_info only before
-    its first request; 0.5.9 before each. With --kv-cache (launch/overlap.py's stand-in: the running batch decodes
+    its first request; 0.5.9 before each. With --kv-cache (launch/bench/overlap.py's stand-in: the running batch decodes
     on a cache, rows leave it as they finish, a retracted row is computed again) the same holds."""
     from transformers import AutoModelForCausalLM
 

@@ -49,8 +49,8 @@ def test_zero3_grpo_run_keeps_the_server_weights_equal_to_the_trainer(tmp_path, 
     proc = launch("zero3.yaml", sglang_args(out, url, model_dir, f"weight_sync.load_format={load_format}", *lora))
     state = server_state(url)
     assert_server_holds_checkpoint(url, out)
-    monkeypatch.syspath_prepend(str(ROOT / "launch"))
-    from check_sglang import main as check_sglang  # launch/gpu_check.sh's verdicts, here on the stand-in
+    monkeypatch.syspath_prepend(str(ROOT / "launch" / "bench"))
+    from check_sglang import main as check_sglang  # launch/bench/gpu_check.sh's verdicts, here on the stand-in
 
     capsys.readouterr()
     assert check_sglang(["--url", url, "--run", str(out)]) == 0

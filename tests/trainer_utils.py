@@ -25,7 +25,7 @@ CLI_MODULES = {"train": "grpo_accel.cli.train", "reward_server": "grpo_accel.cli
 
 
 def main_in_process(script: str, argv: list[str], **replaced) -> int:
-    """``python launch/<script>.py *argv`` in this process (a one-process run without the ~4 s of a launch's
+    """``python launch/<script>.py *argv`` (or ``launch/bench/<script>.py``) in this process (a one-process run without the ~4 s of a launch's
     imports), with the script's attributes in ``replaced`` swapped for the call. The scripts set torch's threads
     from the cores and build an Accelerator, as a launched run does: both are restored after."""
     import importlib
@@ -35,6 +35,7 @@ def main_in_process(script: str, argv: list[str], **replaced) -> int:
     threads = torch.get_num_threads()
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(ROOT / "launch"))
+        patch.syspath_prepend(str(ROOT / "launch" / "bench"))  # the measuring tools
         module = importlib.import_module(CLI_MODULES.get(script, script))
         for name, value in replaced.items():
             patch.setattr(module, name, value)

@@ -1,9 +1,9 @@
 """How well generation on SGLang overlaps training: the README's command, synchronous and with
-``trainer.async_collection``, for each weight transport, on the work of launch/trl_parity.py.
+``trainer.async_collection``, for each weight transport, on the work of launch/bench/trl_parity.py.
 
-    PYTHONPATH=. python launch/overlap.py [--model DIR] [--steps 20] [--warmup 3] [--methods distributed disk]
+    PYTHONPATH=. python launch/bench/overlap.py [--model DIR] [--steps 20] [--warmup 3] [--methods distributed disk]
         [--modes sync async] [--decode-delay S] [--out overlap.json]
-    PYTHONPATH=. python launch/overlap.py --report RUN_DIR [RUN_DIR ...]
+    PYTHONPATH=. python launch/bench/overlap.py --report RUN_DIR [RUN_DIR ...]
 
 Each run gets a fresh SGLang stand-in (tests/sglang_standin.py with ``--kv-cache``: its scheduler decodes the
 running batch on a KV cache, one token per request per step, the pace of a real server for the model, which it
@@ -137,7 +137,7 @@ def table(results: dict[str, dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="a model folder (default: launch/trl_parity.py's tiny Qwen2)")
+    parser.add_argument("--model", help="a model folder (default: launch/bench/trl_parity.py's tiny Qwen2)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--modes", nargs="+", choices=["sync", "async"], default=["sync", "async"])

@@ -2,7 +2,7 @@
 mask: SDPA takes no FlashAttention kernel with it), a Qwen2.5-0.5B-shaped model (random weights) in bf16, with
 gradient checkpointing. One JSON line per case: seconds per batch (median of 3 after a warm-up) of each path.
 
-    bash launch/gpu_check.sh shared        # (python launch/shared_prompts_gpu.py from the checkout's root)
+    bash launch/bench/gpu_check.sh shared        # (python launch/bench/shared_prompts_gpu.py from the checkout's root)
 """
 import functools
 import json
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 from grpo_accel.logprobs import sequence_logprobs  # noqa: E402
 from grpo_accel.logprob_paths import shared_forward  # noqa: E402
 

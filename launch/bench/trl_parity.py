@@ -6,7 +6,7 @@ completions per step, up to 32 new tokens, temperature 1, KL 0.04, learning rate
 default turned off), one process, one torch thread for training. Each round runs TRL, then the README's command
 (``accelerate launch --config_file accelerate_configs/single_process.yaml launch/train.py`` with overrides for
 this work and every other setting default; its step times are the wall-time gaps of its TensorBoard events),
-then ``python launch/bench.py --size tiny --loop ...`` for every variant and decoder asked for (none by
+then ``python launch/bench/bench.py --size tiny --loop ...`` for every variant and decoder asked for (none by
 default); the table gives the median over rounds of each run's median step time, and the mean completion length
 of the TRL and README-command runs (their policies learn apart, and a step's time follows its tokens).
 
@@ -14,7 +14,7 @@ TRL is not a dependency: install it in an environment of its own (same torch and
 python with ``--trl-python``:
 
     python -m venv /tmp/trl && /tmp/trl/bin/pip install torch==2.13.0 trl==1.16.0 tensordict
-    PYTHONPATH=. python launch/trl_parity.py --trl-python /tmp/trl/bin/python --rounds 3
+    PYTHONPATH=. python launch/bench/trl_parity.py --trl-python /tmp/trl/bin/python --rounds 3
 
 ``--baseline DIR`` adds, each round, the README's command from another checkout (a worktree of the previous
 build: ``git worktree add /tmp/before HEAD~1``), run before or after this checkout's in alternating rounds, so a
@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORK = {"prompts": 2, "group": 4, "max_new_tokens": 32, "kl_coef": 0.04, "lr": 1e-4}
 
 
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--variants", nargs="*", default=[], help="launch/bench.py --loop variants to add")
+    parser.add_argument("--variants", nargs="*", default=[], help="launch/bench/bench.py --loop variants to add")
     parser.add_argument("--decoders", nargs="+", default=["auto"], help="their rollout.decoder values")
     parser.add_argument("--model", help="a model folder (weights + tokenizer) instead of the tiny Qwen2, e.g. "
                                         "~/.cache/grpo_accel/models/smollm2-135m (the README command's side only)")
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.trl_python is None:
         parser.error("--trl-python is required (TRL is not a dependency of grpo_accel)")
     if args.model and args.variants:
-        parser.error("--variants time launch/bench.py's tiny model; with --model only TRL and the README's command run")
+        parser.error("--variants time launch/bench/bench.py's tiny model; with --model only TRL and the README's command run")
     if args.baseline is not None and not (args.baseline / "launch" / "train.py").is_file():
         parser.error(f"--baseline {args.baseline}: no launch/train.py there; give a checkout of grpo_accel, e.g. "
                      "`git worktree add /tmp/before <commit>`")
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 tokens.setdefault(name, []).append(results[name]["completion_tokens_mean"])
         for decoder in args.decoders if args.variants else []:
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
-                subprocess.run([sys.executable, str(ROOT / "launch" / "bench.py"), "--size", "tiny", "--loop", *args.variants,
+                subprocess.run([sys.executable, str(ROOT / "launch" / "bench" / "bench.py"), "--size", "tiny", "--loop", *args.variants,
                                 "--decoder", decoder, "--steps", str(args.steps), "--warmup", str(args.warmup),
                                 "--prompts", str(WORK["prompts"]), "--group", str(WORK["group"]),
                                 "--micro-batch", str(WORK["prompts"] * WORK["group"]),

@@ -1,9 +1,9 @@
 """Compare an SGLang server with a finished grpo_accel run: release, weight version, weights and generations.
 
-    python launch/check_sglang.py --url http://127.0.0.1:30000 --run runs/gpu_check/run [--api-key K]
+    python launch/bench/check_sglang.py --url http://127.0.0.1:30000 --run runs/gpu_check/run [--api-key K]
 
 Prints one verdict line per check (PASS, FAIL or SKIP with the numbers behind it) and exits 1 if any check
-failed. ``launch/gpu_check.sh`` runs it against a real server; the tests run it against the stand-in.
+failed. ``launch/bench/gpu_check.sh`` runs it against a real server; the tests run it against the stand-in.
 
 - release: ``/server_info`` names a release in the supported range;
 - weight version: ``/model_info`` reports the version of the run's last push;
@@ -21,7 +21,7 @@ import sys
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 import torch
 import yaml

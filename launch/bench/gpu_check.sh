@@ -1,34 +1,34 @@
 #!/usr/bin/env bash
 # Checks that need a GPU; each prints its verdicts. Under 8 minutes each on one H100/H200 with a fast network.
 #
-#   bash launch/gpu_check.sh bench [out.json]   # the benchmark on a ~0.5B built-in Llama in bf16 (no installs)
-#   bash launch/gpu_check.sh sglang             # real SGLang: install, serve SmolLM2-135M-Instruct, train, compare
-#   bash launch/gpu_check.sh gsm8k [out_dir]    # launch/configs/gsm8k.yaml for 30 batches (needs the hub, or
+#   bash launch/bench/gpu_check.sh bench [out.json]   # the benchmark on a ~0.5B built-in Llama in bf16 (no installs)
+#   bash launch/bench/gpu_check.sh sglang             # real SGLang: install, serve SmolLM2-135M-Instruct, train, compare
+#   bash launch/bench/gpu_check.sh gsm8k [out_dir]    # launch/configs/gsm8k.yaml for 30 batches (needs the hub, or
 #                                               # MODEL=folder DATA=gsm8k-layout.jsonl; evaluation off)
-#   bash launch/gpu_check.sh shared             # the loss's forward+backward: padded vs shared prompts (4-D mask)
+#   bash launch/bench/gpu_check.sh shared             # the loss's forward+backward: padded vs shared prompts (4-D mask)
 #
 # sglang: makes .venv-sglang with sglang==${SGLANG_VERSION:-0.5.23} (it pins its own CUDA torch) and grpo_accel,
 # converts SmolLM2-135M-Instruct (python -m grpo_accel.models), starts a server with
 # --enable-deterministic-inference, runs a short GRPO job with rollout.backend=sglang, then
-# launch/check_sglang.py compares the server's release, weight version, weights (/get_weights_by_name: SmolLM2
+# launch/bench/check_sglang.py compares the server's release, weight version, weights (/get_weights_by_name: SmolLM2
 # is a Llama) and greedy generations with the job's final weights. With 2+ GPUs the server gets GPU 1 and the
 # weights go over NCCL (weight_sync.method=distributed); on one GPU NCCL cannot work (it needs one device per
 # rank), so the same-node CUDA IPC path (method=tensor) runs instead and the NCCL verdict says SKIP. Then the
 # colocated case: a server with --enable-memory-saver on GPU 0 beside the trainer, rollout.colocate=true.
 # SGLANG_PYTHON=/path/to/python uses an existing SGLang install instead of making .venv-sglang.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 mode=${1:-sglang}
 python=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 
 if [ "$mode" = bench ]; then
   "$python" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
-  exec "$python" launch/bench.py --size 500m --dtype bfloat16 --steps 3 --warmup 1 --prompts 16 --group 8 \
+  exec "$python" launch/bench/bench.py --size 500m --dtype bfloat16 --steps 3 --warmup 1 --prompts 16 --group 8 \
     --max-new-tokens 128 --micro-batch 32 --fixed-length --out "${2:-gpu_bench.json}"
 fi
 if [ "$mode" = shared ]; then
   "$python" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
-  exec "$python" launch/shared_prompts_gpu.py
+  exec "$python" launch/bench/shared_prompts_gpu.py
 fi
 if [ "$mode" = gsm8k ]; then
   "$python" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
@@ -41,7 +41,7 @@ if [ "$mode" = gsm8k ]; then
     'gsm8k recipe:', s['iterations'], 'batches in', s['wall_time_s'], 's, reward', round(s['reward_first10_mean'], 3), \
     '->', round(s['reward_last10_mean'], 3))" "$out/summary.json"
 fi
-[ "$mode" = sglang ] || { echo "usage: bash launch/gpu_check.sh bench|sglang|gsm8k|shared" >&2; exit 2; }
+[ "$mode" = sglang ] || { echo "usage: bash launch/bench/gpu_check.sh bench|sglang|gsm8k|shared" >&2; exit 2; }
 
 verdict() { printf '%-4s  %s\n' "$1" "$2"; }
 gpus=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
@@ -82,7 +82,7 @@ CUDA_VISIBLE_DEVICES=0 "$sg" -m accelerate.commands.launch --config_file acceler
   && verdict PASS "GRPO job with weight_sync.method=$method: $(grep -o '"iterations": [0-9]*' "$run/summary.json"), sync $(grep -o '"weight_sync_s": [0-9.]*' "$run/summary.json") s ($((SECONDS - start)) s)" \
   || { verdict FAIL "GRPO job with weight_sync.method=$method: tail $out/train_$method.log"; exit 1; }
 [ "$method" = distributed ] || verdict SKIP "NCCL weight sync: one GPU (NCCL needs a device per rank); tensor path checked instead"
-"$sg" launch/check_sglang.py --url "http://127.0.0.1:$port" --run "$run"
+"$sg" launch/bench/check_sglang.py --url "http://127.0.0.1:$port" --run "$run"
 
 # Colocated: a server with --enable-memory-saver on the trainer's own GPU (0), rollout.colocate=true: it frees its
 # KV cache, weights and CUDA graphs while the trainer optimises; each push takes them back (CUDA IPC: same GPU).
@@ -102,5 +102,5 @@ CUDA_VISIBLE_DEVICES=0 "$sg" -m accelerate.commands.launch --config_file acceler
   >"$out/train_colocated.log" 2>&1 \
   && verdict PASS "colocated GRPO job (memory released and resumed around each push): $(grep -o '"iterations": [0-9]*' "$run/summary.json") ($((SECONDS - start)) s)" \
   || { verdict FAIL "colocated GRPO job: tail $out/train_colocated.log"; exit 1; }
-"$sg" launch/check_sglang.py --url "http://127.0.0.1:$port" --run "$run"
+"$sg" launch/bench/check_sglang.py --url "http://127.0.0.1:$port" --run "$run"
 verdict PASS "done in $((SECONDS - start)) s"

@@ -2,7 +2,7 @@
 
 Every item times (or, for memory, measures the peak of) the same work done both ways on the same model
 and the same tokens, and reports ``before / after``: above 1 means the optimisation pays. Used by
-``python launch/bench.py --items`` (one process); see that module for the phases themselves.
+``python launch/bench/bench.py --items`` (one process); see that module for the phases themselves.
 """
 from __future__ import annotations
 

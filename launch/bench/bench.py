@@ -1,7 +1,7 @@
 """Benchmark: every phase of a GRPO step against its limit, on a chosen model size.
 
-    python launch/bench.py --size 10m --steps 3 --warmup 1 --fixed-length --items --out bench.json
-    accelerate launch --config_file accelerate_configs/zero3.yaml launch/bench.py --size 10m --warmup 3
+    python launch/bench/bench.py --size 10m --steps 3 --warmup 1 --fixed-length --items --out bench.json
+    accelerate launch --config_file accelerate_configs/zero3.yaml launch/bench/bench.py --size 10m --warmup 3
 
 Per step: generation (embedded engine), rewards, the forward-only logprob pass (pi_old, as with
 num_epochs > 1), and the training phase (GRPOTrainer's optimisation of the batch). Reported: median and
@@ -9,12 +9,12 @@ spread of each phase, generated tokens/s, training tokens/s, the training phase'
 (6 x parameters x tokens) over the peak measured in the same run by a matmul of the model's dtype and hidden
 size (the MFU, on CPU as on GPU), peak memory per process, and the trainer's overhead: its training phase
 over a bare forward/backward/step loop on the same micro-batches in the same run. Runs under every
-accelerate config; ``--items`` adds each speed item before/after (``launch/bench_items.py``).
+accelerate config; ``--items`` adds each speed item before/after (``launch/bench/bench_items.py``).
 
 ``--loop sync async async+worker`` instead times whole ``GRPOTrainer`` iterations (collect, score, train, push)
 of each variant, alternating the variants over ``--rounds`` in one process (one process only):
 
-    python launch/bench.py --size tiny --loop sync async+worker --prompts 2 --group 4 --kl-coef 0.04 --lr 1e-4
+    python launch/bench/bench.py --size tiny --loop sync async+worker --prompts 2 --group 4 --kl-coef 0.04 --lr 1e-4
 
 Not a test: numbers only.
 """
@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from bench_items import items_table, measure_items, timed  # launch/ is on the path: run as a script
+from bench_items import items_table, measure_items, timed  # this folder is on the path: run as a script
 
 from grpo_accel import batch
 from grpo_accel.layout import BatchLayout
@@ -114,7 +114,7 @@ def run(args) -> dict | None:
     from grpo_accel.embedded.sender import EmbeddedWeightSync
 
     if (args.items or args.loop) and launch_world_size() > 1:
-        raise SystemExit(f"launch/bench.py: {'--items' if args.items else '--loop'} measures on one process; run it "
+        raise SystemExit(f"launch/bench/bench.py: {'--items' if args.items else '--loop'} measures on one process; run it "
                          "without accelerate launch or with accelerate_configs/single_process.yaml.")
     preflight()
     threads = configure_threads()
