@@ -191,3 +191,34 @@ def test_a_corrupt_library_that_cannot_be_rebuilt_keeps_the_torch_ops(fresh_buil
     assert native_reason().endswith("failed on decode_step.c: gone")  # the rebuild's failure, as a build's
     assert f"the cached library {library} is damaged" in caplog.text and not library.exists()
     assert LeanForward(_llama(tokenizer)).native is None
+
+
+def test_a_run_says_at_start_which_decode_path_it_takes_and_why_not_the_fast_one(tmp_path):
+    """Issue 49: without a compiler, or with a cache folder that cannot be written, the decode step kept the torch
+    ops silently (the reason went to log.debug). Run as a user runs it: one line names the path, and on the
+    slower one why and how to get the C step."""
+    import os
+    import subprocess
+    import sys
+
+    from launching import ROOT
+
+    def said(name, **env):
+        run = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), f"output_dir={tmp_path / name}",
+                              "trainer.total_frames=128", "trainer.progress_bar=false"], capture_output=True,
+                             text=True, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / name / "cache"), **env},
+                             timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        lines = [line.split("grpo_accel.embedded.engine: ", 1)[1] for line in run.stderr.splitlines()
+                 if "grpo_accel.embedded.engine: decode: " in line]
+        assert len(lines) == 1, run.stderr[-3000:]
+        return lines[0]
+
+    kernels = tmp_path / "fast" / "cache" / "grpo_accel" / "kernels"
+    assert said("fast") == f"decode: the lean decode loop with its C step ({next(kernels.glob('decode_step-*.so'))})"
+    assert said("no_cc", CC="/nonexistent") == ("decode: the lean decode loop on torch ops, without its C step: no C "
+                                                "compiler (/nonexistent not found): install one (e.g. apt install "
+                                                "gcc) or name it in CC")
+    line = said("unwritable", XDG_CACHE_HOME="/proc/nope")
+    assert line.startswith("decode: the lean decode loop on torch ops, without its C step: could not build in "
+                           "/proc/nope/grpo_accel/kernels (") and line.endswith("set XDG_CACHE_HOME to a writable folder")

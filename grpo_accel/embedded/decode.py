@@ -141,7 +141,7 @@ class Decoder:
     """
 
     def __init__(self, model: nn.Module, compiled: bool = False, lean: bool = True) -> None:
-        self.model = model
+        self.model, self.compiled = model, compiled
         self.lean = lean and not compiled and not zero3_partitioned() and lean_reason(model) is None
         self.mask_dtype = additive_dtype(model)  # the model's forward takes its attention's format
         cache_arg = "cache" if "cache" in inspect.signature(transformers_model(model).forward).parameters else "past_key_values"
@@ -160,6 +160,21 @@ class Decoder:
         # inference mode skips autograd's per-op bookkeeping (~12% of a tiny model's step); not under ZeRO-3,
         # whose forward hooks allocate the gathered parameters, which must stay ordinary tensors for training
         self.no_grad = torch.no_grad if zero3_partitioned() else torch.inference_mode
+
+    @property
+    def description(self) -> str:
+        """Which forward decodes, and on a slower one why (and how to get the C step): the run's start line."""
+        if self.lean_forward is None:
+            why = ("compiled by inductor: rollout.decoder=compiled" if self.compiled else
+                   "ZeRO-3 gathers each module's shards as it runs" if zero3_partitioned() else
+                   lean_reason(self.model) or "the lean forward is off")
+            return f"decode: the decode loop on the model's own forward ({why})"
+        reason = self.lean_forward.native_reason
+        if reason is None:
+            from grpo_accel.embedded.native import native_library
+
+            return f"decode: the lean decode loop with its C step ({native_library()})"
+        return f"decode: the lean decode loop on torch ops, without its C step: {reason}"
 
     def _everywhere(self, finished: bool) -> bool:
         """Whether every process finished. Under ZeRO-3 each forward gathers parameters from all processes, so

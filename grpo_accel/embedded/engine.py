@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from grpo_accel import batch
 from grpo_accel.contracts import RolloutEngine
-from grpo_accel.distributed import zero3_collective
+from grpo_accel.distributed import first_process, zero3_collective
 from grpo_accel.logprobs import selected_logprobs
 from grpo_accel.embedded.decode import DECODERS
 from grpo_accel.rollout.sampling import KeyedSampler, batch_seeds, completion_keys
@@ -75,9 +75,10 @@ class EmbeddedEngine(RolloutEngine):
         if decoder in ("fast", "compiled") and reason is not None:
             raise ValueError(f"EmbeddedEngine: decoder={decoder!r} cannot decode this model: {reason}; use 'auto' or "
                              "'generate' (transformers' generate).")
-        if decoder == "auto" and reason is not None:
-            logger.info("embedded engine: transformers' generate decodes this model (%s)", reason)
         self.fast = decoder != "generate" and reason is None
+        self.description = None if self.fast else (
+            f"decode: transformers' generate ({'rollout.decoder=generate' if reason is None else reason})")
+        self._said = False
         if worker and (not self.fast or gather is not None or next(model.parameters()).device.type != "cpu"):
             raise ValueError("EmbeddedEngine: worker=True decodes a CPU model with the fast decoder and no ZeRO-3 "
                              f"gather (here: decoder={decoder!r}{f' ({reason})' if reason else ''}, gather="
@@ -160,6 +161,10 @@ class EmbeddedEngine(RolloutEngine):
             finally:
                 self.model.train(was_training)
             version = self.weight_version
+        if not self._said:  # the path of the first generation, said once: a user comparing machines sees it
+            self._said = True
+            if first_process():
+                logger.info("%s", self.description)
         completion_mask = (~batch.after_stop(completion, s.stop_ids)).long()  # [N, C]
         stopped = batch.is_stop_token(completion, s.stop_ids).any(1)  # [N]
         finish = torch.where(stopped, batch.FINISH_STOP, batch.FINISH_LENGTH)
@@ -181,10 +186,16 @@ class EmbeddedEngine(RolloutEngine):
             from grpo_accel.embedded.worker import DecodeWorker
 
             self.worker = DecodeWorker(self.model, self.compiled, threads=self.worker_threads)
+            from grpo_accel.embedded.native import native_reason
+
+            reason = native_reason()
+            self.description = ("decode: the lean decode loop in a worker process (rollout.embedded_worker), "
+                                + ("with its C step" if reason is None else f"without its C step: {reason}"))
         elif not self.use_worker and self.decoder is None:
             from grpo_accel.embedded.decode import Decoder
 
             self.decoder = Decoder(self.model, self.compiled)
+            self.description = self.decoder.description
         more = {} if suffix is None else {"suffix_ids": suffix[0], "suffix_mask": suffix[1]}
         return (self.worker or self.decoder)(ids, mask, 1, keys, self.settings, prompt_of=rows, **more)
 

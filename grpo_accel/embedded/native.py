@@ -77,6 +77,12 @@ def _built() -> tuple[ctypes.CDLL | None, str | None]:
     return library, None
 
 
+def native_library() -> Path | None:
+    """The loaded library's file, or None."""
+    library = _built()[0]
+    return None if library is None else Path(library._name)
+
+
 def _intact(path: Path) -> bool:
     """Whether the library's content is what its name says: ``<stem>-<its SHA-256, 16 digits>.so``."""
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16] == path.stem.rsplit("-", 1)[-1]
@@ -88,19 +94,24 @@ def _build(compiler: str, stem: str) -> tuple[Path | None, str | None]:
     folder = kernel_dir()
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder) as scratch:
+        scratch_dir = tempfile.TemporaryDirectory(dir=folder)
+    except OSError as exc:
+        return None, f"could not build in {folder} ({exc}): set XDG_CACHE_HOME to a writable folder"
+    try:
+        with scratch_dir as scratch:
             built = Path(scratch) / f"{stem}.so"
             subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], check=True, capture_output=True,
                            text=True, timeout=300)
             path = folder / f"{stem}-{hashlib.sha256(built.read_bytes()).hexdigest()[:16]}.so"
             os.replace(built, path)
     except FileNotFoundError:
-        return None, f"no C compiler ({compiler} not found; CC names another)"
+        return None, f"no C compiler ({compiler} not found): install one (e.g. apt install gcc) or name it in CC"
     except subprocess.CalledProcessError as exc:
         lines = exc.stderr.strip().splitlines()
-        return None, f"{compiler} failed on {SOURCE.name}: {lines[-1] if lines else exc}"
+        return None, (f"{compiler} failed on {SOURCE.name}: {lines[-1] if lines else exc}; name another compiler "
+                      "in CC")
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return None, f"could not build in {folder}: {exc}"
+        return None, f"could not build in {folder} ({exc}): set XDG_CACHE_HOME to a writable folder"
     return path, None
 
 
