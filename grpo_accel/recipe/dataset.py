@@ -25,6 +25,9 @@ def load_rows(path: str | Path, *, name: str | None = None, split: str = "train"
         rows = _read_file(local, where)
     elif local.is_dir() and _is_saved_dataset(local):
         rows = _read_saved(local, split, where)
+    elif local.is_dir():
+        _check_data_folder(local, where)
+        rows = _read_hub(str(path), name, split, where)
     elif not local.exists() and (local.suffix in DATASET_FILES or str(path).startswith(("/", ".", "~"))):
         raise DataError(f"{where}: no such file or folder (cwd {Path.cwd()}); give a JSONL or Parquet file, a "
                         "folder written by Dataset.save_to_disk, or a Hugging Face dataset id.")
@@ -50,6 +53,25 @@ def _read_file(path: Path, where: str) -> list[dict]:
 
 def _is_saved_dataset(folder: Path) -> bool:
     return (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file()
+
+
+DATA_FOLDER_FILES = (".jsonl", ".json", ".parquet", ".csv", ".arrow")
+"""What a folder of data files holds for ``datasets.load_dataset(folder)`` (its packaged builders)."""
+
+
+def _check_data_folder(folder: Path, where: str) -> None:
+    """A folder that is no dataset (a model folder, one without data files) is refused before datasets reads
+    it: it would fail with a long cast error over the files it found (config.json read as rows)."""
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    if (folder / "config.json").is_file() and any(p.suffix in (".safetensors", ".bin", ".gguf") for p in files):
+        raise DataError(f"{where} is a model folder (config.json and weights), not a dataset; give a JSONL or Parquet "
+                        "file, a folder written by Dataset.save_to_disk, or a hub dataset id (model.name_or_path "
+                        "takes model folders).")
+    data = [p for p in files if p.suffix in DATA_FOLDER_FILES and p.name not in ("config.json",)]
+    if not data:
+        raise DataError(f"{where} is a folder with no data files ({', '.join(DATA_FOLDER_FILES)}) and no dataset "
+                        "saved by Dataset.save_to_disk (dataset_dict.json or state.json); give a JSONL or Parquet "
+                        "file, or such a folder.")
 
 
 def _read_saved(folder: Path, split: str, where: str) -> list[dict]:

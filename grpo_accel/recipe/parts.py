@@ -34,6 +34,10 @@ def build_tokenizer_and_model(cfg: ModelConfig, seed: int = 0):
         if not (local / "config.json").is_file():
             raise ConfigError(f"{key}: {local} has no config.json, so it is not a model folder; point it at a folder "
                               "written by save_pretrained (or python -m grpo_accel.models smollm2-135m OUT).")
+        if not any(next(local.glob(pattern), None) for pattern in WEIGHT_FILES):
+            raise ConfigError(f"{key}: {local} has a config.json but no weights ({', '.join(WEIGHT_FILES)}); "
+                              "write them with model.save_pretrained there (a tokenizer's save_pretrained writes "
+                              "none), or point it at the folder that has them.")
     elif _looks_like_a_path(cfg.name_or_path):
         raise ConfigError(f"{key}: no such folder (cwd {Path.cwd()}); point it at a model folder written by "
                           "save_pretrained, e.g. python -m grpo_accel.models smollm2-135m runs/smollm2-135m.")
@@ -56,6 +60,11 @@ def build_tokenizer_and_model(cfg: ModelConfig, seed: int = 0):
         raise ConfigError(f"{key}: the tokenizer has {len(tokenizer)} tokens but the model embeds only {rows}; "
                           "they do not belong together: save the model's own tokenizer beside it.")
     return tokenizer, model
+
+
+WEIGHT_FILES = ("model.safetensors", "model-*.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model-*.bin", "pytorch_model.bin.index.json")
+"""What transformers' from_pretrained loads weights from in a folder (safetensors, sharded or not; PyTorch bins)."""
 
 
 def build_policy(cfg: ModelConfig, with_reference: bool, seed: int = 0):
