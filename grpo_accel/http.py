@@ -56,7 +56,13 @@ class HTTPClient:
                     raise ServerError(f"{method} {self.url}{path} -> HTTP {exc.code}: {message}", exc.code) from exc
                 logger.warning("%s %s%s -> HTTP %d (%s); retry %d/%d", method, self.url, path, exc.code, message,
                                attempt + 1, attempts - 1)
-            except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            except TimeoutError as exc:  # connected and sent; the answer did not come (urllib wraps connect errors)
+                if attempt == attempts - 1:
+                    raise ServerError(f"{method} {self.url}{path}: the server took the request but did not answer "
+                                      f"within {self.timeout_s:g} s ({attempts} attempt{'s' * (attempts > 1)})") from exc
+                logger.warning("%s %s%s: no answer within %g s; retry %d/%d", method, self.url, path, self.timeout_s,
+                               attempt + 1, attempts - 1)
+            except (urllib.error.URLError, ConnectionError) as exc:
                 if attempt == attempts - 1:
                     raise ServerError(f"{method} {self.url}{path}: cannot reach the server ({exc})") from exc
                 logger.warning("%s %s%s failed (%s); retry %d/%d", method, self.url, path, exc, attempt + 1, attempts - 1)

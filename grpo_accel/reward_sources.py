@@ -229,8 +229,11 @@ class RemoteReward(RewardSource):
                 errors += [0] * (end - start)
             except (ServerError, ValueError) as exc:
                 if self.fallback is None:
+                    raise_limit = (f"raise {setting(self.names, 'timeout_s')}, " if "did not answer within" in str(exc)
+                                   else "")
                     raise RewardFault(f"reward service {self.name!r} at {setting(self.names, 'url')}={self.url!r}: "
-                                      f"{exc}; check the service, or set {setting(self.names, 'fallback')}.") from exc
+                                      f"{exc}; check the service, {raise_limit}or set {setting(self.names, 'fallback')}."
+                                      ) from exc
                 logger.warning("reward service %s: %s; completions %d..%d get the fallback %s", self.url, exc, start,
                                end - 1, self.fallback)
                 values += [float(self.fallback)] * (end - start)

@@ -14,7 +14,7 @@ from grpo_accel.recipe.parts import build_reward
 from grpo_accel.recipe.rollout_schema import RewardConfig
 from grpo_accel.reward_sources import AsyncReward, RemoteReward, RewardFault, TimedReward
 from grpo_accel.rewards import RewardSet, answer_match, standardise
-from launching import ROOT, free_port, launch
+from launching import ROOT, free_port, launch, run_in_group
 from trainer_utils import train_in_process
 
 
@@ -229,3 +229,30 @@ def test_math_answer_is_time_limited_in_a_background_thread_too():
     assert reward_workers(), "the off-thread check ran in a worker process"
     rewards._OFF_THREAD_VERIFY.close()
     assert not reward_workers()
+
+
+def test_a_service_that_takes_the_request_and_never_answers_is_named_so_in_the_time_set(tmp_path):
+    """Issue 49 item 7, run as a user runs it: a service that accepts the connection and never answers was
+    reported as unreachable. The line says it took the request and did not answer within rewards[].timeout_s, over
+    1 + retries attempts, and the run spends about that long on it."""
+    import socket
+    import threading
+    import time
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    held = []
+    threading.Thread(target=lambda: [held.append(listener.accept()) for _ in range(100)], daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/score"
+    start = time.monotonic()
+    proc = run_in_group([sys.executable, str(ROOT / "launch" / "train.py"), f"output_dir={tmp_path / 'run'}",
+                         "trainer.progress_bar=false", f"rewards=[{{name: remote, url: '{url}', timeout_s: 2, retries: 1}}]"],
+                        cwd=tmp_path, timeout=300)
+    took = time.monotonic() - start
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: reward service 'remote' at rewards[name=remote].url='{url}': POST {url}: the server took the request "
+        "but did not answer within 2 s (2 attempts); check the service, raise rewards[name=remote].timeout_s, or set "
+        "rewards[name=remote].fallback.")
+    waits = [line for line in proc.stderr.splitlines() if "no answer within 2 s; retry 1/1" in line]
+    assert len(waits) == 1 and 4 <= took < 4 + 60, took  # two waits of 2 s, plus the run's start
+    listener.close()
