@@ -92,14 +92,38 @@ class BatchLayout:
                          f"{accumulation}; make completions per process = micro-batch x accumulation x k (here one "
                          f"of {equal}, or auto).")
 
+    def micro_batch_sizes(self, micro_batch: int, sampled: int | None = None) -> list[int]:
+        """Completions in each micro-batch of one epoch on one process: its share cut into ``micro_batch``-sized
+        pieces, the last holding the remainder; ``sampled`` micro-batches of ``micro_batch`` each when set."""
+        if sampled:
+            return [micro_batch] * sampled
+        share = self.completions_per_process
+        return [min(micro_batch, share - start) for start in range(0, share, micro_batch)]
+
     def describe(self, micro_batch: int, accumulation: int, epochs: int = 1, sampled: int | None = None) -> str:
-        micro = self.micro_batches(micro_batch, sampled)
+        """The layout in one line, as it runs: a short last micro-batch and the optimizer steps it makes smaller
+        are named as they are ("4 of 7 and 1 of 4"; "14, 14 and 4 completions")."""
+        sizes = self.micro_batch_sizes(micro_batch, sampled)
+        steps = [sum(sizes[i : i + accumulation]) * self.processes for i in range(0, len(sizes), accumulation)]
+        per_step = (f"{steps[0]} completions per optimizer step" if len(set(steps)) == 1 else
+                    f"{_counted(steps)} completions in its optimizer steps")
         return (f"batch layout: {self.prompts} prompts x {self.group_size} = {self.completions} completions per "
-                f"collected batch; {self.completions_per_process} per process in {micro} micro-batches of "
-                f"{micro_batch}; {accumulation} micro-batches per optimizer step = "
-                f"{micro_batch * accumulation * self.processes} completions per optimizer step over {self.processes} "
-                f"processes -> {self.optimizer_steps(micro_batch, accumulation, epochs, sampled)} optimizer steps per "
-                "collected batch")
+                f"collected batch; {self.completions_per_process} per process in {_pieces(sizes)}; {accumulation} "
+                f"micro-batches per optimizer step = {per_step} over {self.processes} processes -> "
+                f"{self.optimizer_steps(micro_batch, accumulation, epochs, sampled)} optimizer steps per collected "
+                "batch")
+
+
+def _pieces(sizes: list[int]) -> str:
+    """[7, 7, 7, 7, 4] -> "5 micro-batches: 4 of 7 and 1 of 4"; [8, 8] -> "2 micro-batches of 8"."""
+    if len(set(sizes)) == 1:
+        return f"{len(sizes)} micro-batches of {sizes[0]}"
+    return f"{len(sizes)} micro-batches: {len(sizes) - 1} of {sizes[0]} and 1 of {sizes[-1]}"
+
+
+def _counted(values: list[int]) -> str:
+    """[14, 14, 4] -> "14, 14 and 4"."""
+    return ", ".join(map(str, values[:-1])) + f" and {values[-1]}"
 
 
 def _divisors(n: int) -> list[int]:

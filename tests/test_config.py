@@ -1,4 +1,5 @@
 import copy
+import sys
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,22 @@ def test_renamed_keys_name_their_new_name_and_old_checkpoints_still_match():
     assert resume_conflicts(saved, current) == []
     saved["rollout"]["prompts_per_step"] = 4
     assert resume_conflicts(saved, current) == ["rollout.prompts_per_batch: 4 -> 16"]
+
+
+def test_the_layout_line_names_a_short_last_micro_batch_and_the_steps_it_shrinks(tmp_path):
+    """Issue 49 item 8: 32 completions per process in micro-batches of 7 were "5 micro-batches of 7", and under
+    2 processes (16 each) "14 completions per optimizer step". Run as a user runs it, and the 2-process line."""
+    from grpo_accel.layout import BatchLayout
+    from launching import run_in_group
+
+    proc = run_in_group([sys.executable, str(ROOT / "launch" / "train.py"), f"output_dir={tmp_path / 'run'}",
+                         "rollout.prompts_per_batch=4", "trainer.micro_batch_completions=7", "trainer.total_frames=32",
+                         "trainer.progress_bar=false"], cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [l.split(": ", 1)[1] for l in proc.stderr.splitlines() if "grpo_accel.recipe.build: batch layout" in l]
+    assert line == ("batch layout: 4 prompts x 8 = 32 completions per collected batch; 32 per process in 5 "
+                    "micro-batches: 4 of 7 and 1 of 4; 1 micro-batches per optimizer step = 7, 7, 7, 7 and 4 "
+                    "completions in its optimizer steps over 1 processes -> 5 optimizer steps per collected batch")
+    assert "16 per process in 3 micro-batches: 2 of 7 and 1 of 2; 1 micro-batches per optimizer step = 14, 14 and 4 " \
+           "completions in its optimizer steps over 2 processes" in BatchLayout(4, 8, 2).describe(7, 1)
+    assert "5 micro-batches per optimizer step = 32 completions per optimizer step" in BatchLayout(4, 8).describe(7, 5)
