@@ -416,3 +416,24 @@ def test_a_folder_that_is_not_a_dataset_and_a_model_folder_without_weights_are_o
         "model-*.safetensors, model.safetensors.index.json, pytorch_model.bin, pytorch_model-*.bin, "
         "pytorch_model.bin.index.json); write them with model.save_pretrained there (a tokenizer's save_pretrained "
         "writes none), or point it at the folder that has them.")
+
+
+def test_ctrl_c_while_waiting_for_an_sglang_server_is_one_line(tmp_path):
+    """Issue 49 item 9, as a user meets it: Ctrl-C while the run waits for a server that is not up printed a
+    KeyboardInterrupt traceback; it is one line and exit code 130."""
+    import signal
+
+    from launching import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    with subprocess.Popen([sys.executable, str(ROOT / "launch" / "train.py"), f"output_dir={tmp_path}/run",
+                           "rollout.backend=sglang", f"rollout.urls=[{url}]", "rollout.health_timeout_s=120"],
+                          cwd=tmp_path, stderr=subprocess.PIPE, text=True) as proc:
+        for line in proc.stderr:  # the wait says what it waits for every 10 s
+            if "waiting for SGLang server" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=60) == 130
+    assert "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest[-3000:]
+    assert rest.strip().splitlines()[-1] == "stopped (Ctrl-C) before training began; nothing was trained or saved"

@@ -147,7 +147,8 @@ def main_reporting_errors(argv: list[str] | None = None) -> int:
     per process. Before the process group exists every process meets the same error, so rank 0 alone says it
     (the others wait a moment, so that rank 0's is the first failure); after, each failing process says it with
     its rank. Under torchrun the line also goes to the agent's error file, so the launcher's failure report shows
-    it instead of a pointer to the docs. Other errors keep their traceback."""
+    it instead of a pointer to the docs. A Ctrl-C before training begins is one line and exit code 130. Other
+    errors keep their traceback."""
     from grpo_accel.trainer.hooks import HookError
 
     try:
@@ -157,6 +158,11 @@ def main_reporting_errors(argv: list[str] | None = None) -> int:
             if isinstance(err.__cause__, UserError):
                 raise err.__cause__ from None
             raise
+    except KeyboardInterrupt:  # Ctrl-C outside training (there it is a clean stop): while starting, e.g. waiting
+        logging.shutdown()  # for a server; nothing was trained, so there is nothing to save
+        if first_process():
+            print("stopped (Ctrl-C) before training began; nothing was trained or saved", file=sys.stderr, flush=True)
+        return 130
     except UserError as err:
         import torch.distributed as dist
 
