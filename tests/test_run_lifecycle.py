@@ -58,7 +58,7 @@ def test_raising_total_frames_continues_and_the_resume_names_what_changed(finish
     assert done.splitlines()[0].startswith("done: 48 frames (completions) in 3 batches; this run ")
     assert done.splitlines()[1:] == [done.splitlines()[1], f"  final checkpoint: {run / 'checkpoints' / 'step_00000003'}",
                                      f"  curves: tensorboard --logdir {run / 'tensorboard'}"]
-    assert done.splitlines()[1].startswith("  reward: ") and "(first 10 batches) -> " in done
+    assert done.splitlines()[1].startswith("  reward: ") and done.splitlines()[1].endswith(" (1 batch)")  # this run's
 
 
 def test_the_trainer_api_resumed_on_a_finished_checkpoint_collects_nothing(finished):
@@ -108,3 +108,15 @@ def test_export_refuses_what_would_mix_and_replaces_whole(finished, tmp_path):
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr
     assert afile.read_text() == "x"
+
+
+def test_a_short_runs_summary_compares_windows_that_do_not_overlap(tmp_path, caplog):
+    """Issue 49 item 10: under 20 batches the "first 10 -> last 10" means overlapped (4 batches: the same 4)."""
+    import json
+
+    with caplog.at_level(logging.INFO):
+        assert main_in_process("train", [f"output_dir={tmp_path / 'run'}", "trainer.total_frames=512",
+                                         "trainer.progress_bar=false"]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    done = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("done: "))
+    assert summary["reward_window"] == 2 and " (first 2 batches) -> " in done and done.splitlines()[1].endswith("(last 2)")

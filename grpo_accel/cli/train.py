@@ -136,10 +136,17 @@ def human_summary(summary: dict, frames: int, checkpoint: Path | None, out: Path
     """The end of a run in a few lines for a person (the JSON line above is for scripts)."""
     return "\n".join([
         f"done: {frames} frames (completions) in {summary['final_iteration']} batches; this run {summary['wall_time_s']:.1f} s",
-        f"  reward: {summary['reward_first10_mean']:.3f} (first 10 batches) -> {summary['reward_last10_mean']:.3f} "
-        "(last 10)",
+        _reward_line(summary),
         f"  final checkpoint: {checkpoint if checkpoint is not None else 'none'}",
         *([f"  curves: tensorboard --logdir {out / 'tensorboard'}"] if (out / "tensorboard").is_dir() else [])])
+
+
+def _reward_line(summary: dict) -> str:
+    k = summary["reward_window"]
+    if summary["iterations"] < 2:
+        return f"  reward: {summary['reward_last10_mean']:.3f} ({summary['iterations']} batch)"
+    return (f"  reward: {summary['reward_first10_mean']:.3f} (first {k} batches) -> {summary['reward_last10_mean']:.3f} "
+            f"(last {k})")
 
 
 def main_reporting_errors(argv: list[str] | None = None) -> int:

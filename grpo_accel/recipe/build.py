@@ -303,7 +303,7 @@ def summarize(trainer, wall_s: float) -> dict:
     from grpo_accel.distributed import local_parameter_fraction, optimizer_state_bytes, trainable_elements, zero_stage
 
     rewards = [h["train/reward_mean"] for h in trainer.history if "train/reward_mean" in h]
-    k = min(10, len(rewards))
+    k = min(10, len(rewards) // 2) or len(rewards)  # windows that do not overlap (one batch: itself)
     acc, sender = trainer.accelerator, trainer.weight_sync_sender
     return {
         "num_processes": acc.num_processes,
@@ -320,5 +320,6 @@ def summarize(trainer, wall_s: float) -> dict:
         "stop_reason": trainer.stop_reason,
         "reward_first10_mean": sum(rewards[:k]) / max(k, 1),
         "reward_last10_mean": sum(rewards[-k:]) / max(k, 1),
+        "reward_window": k,  # batches in each of the two means: 10, or half the run when shorter
         "wall_time_s": round(wall_s, 1),
     }
