@@ -120,8 +120,9 @@ def encode_prompts(rows: list[dict], tokenizer, *, prompt_field: str = "prompt",
             if getattr(tokenizer, "chat_template", None) is None:
                 raise DataError(f"{where} is a list of chat messages, but the tokenizer has no chat template; use a "
                                 "chat model's tokenizer or give prompts as plain strings.")
-            if start is not None:
-                check_messages(messages, f"{where}: the environment's first messages")
+            if start is not None:  # the environment's reset() wrote them, not a dataset column
+                check_messages(messages, f"{getattr(start, '__qualname__', 'the environment reset')}() for {source} "
+                                         f"row {i} returned messages that are not a conversation:")
             text = render_chat(tokenizer, messages, tools)
             tokens = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own
         if not tokens:

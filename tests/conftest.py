@@ -11,6 +11,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# The caller's thread setting would reach every run the tests launch and change what they check (threads per
+# process = cores / processes): tests that want one set it themselves.
+os.environ.pop("GRPO_ACCEL_THREADS", None)
 
 
 @pytest.fixture(scope="session")

@@ -187,3 +187,28 @@ def test_episode_training_stopped_and_resumed_equals_a_straight_run(tok, tmp_pat
     assert without_wall_times(first.history + resumed.history) == without_wall_times(straight.history)
     assert all(torch.equal(a, b) for a, b in zip(resumed_model.parameters(), straight_model.parameters()))
     reset_accelerate_state()
+
+
+def test_an_environment_whose_reset_writes_garbage_is_named_not_a_dataset_column(short_turns, tmp_path):
+    """Issue 49 item 10, run as a user runs it: reset()'s malformed first messages were reported as "dataset row
+    0: column 'prompt': ...", a column the user never wrote; the line names the environment's reset()."""
+    import json
+    import subprocess
+    import sys
+
+    from launching import ROOT, run_in_group
+
+    (tmp_path / "bad_env.py").write_text(
+        "class BadReset:\n    tools = ()\n\n    def reset(self, row):\n        return [{'rol': 'user', 'text': row['prompt']}]\n\n"
+        "    def step(self, messages):\n        raise AssertionError('never reached')\n")
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    proc = run_in_group([sys.executable, str(ROOT / "launch" / "train.py"), f"output_dir={tmp_path / 'run'}",
+                         f"model.name_or_path={short_turns}", "data.path=rows.jsonl", "rollout.environment=bad_env:BadReset",
+                         "rewards=[{name: env_reward}]", "rollout.prompts_per_batch=2", "rollout.group_size=2",
+                         "trainer.total_frames=4", "trainer.progress_bar=false", "rollout.max_new_tokens=4",
+                         "optim.lr=3e-4"], cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: BadReset.reset() for dataset row 0 returned messages that are not a conversation: message 0 is "
+        "{'rol': 'user', 'text': '1+1='}; each message is {'role': one of ['system', 'user', 'assistant', 'tool'], "
+        "'content': a string}.")

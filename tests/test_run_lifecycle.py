@@ -120,3 +120,16 @@ def test_a_short_runs_summary_compares_windows_that_do_not_overlap(tmp_path, cap
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     done = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("done: "))
     assert summary["reward_window"] == 2 and " (first 2 batches) -> " in done and done.splitlines()[1].endswith("(last 2)")
+
+
+def test_an_export_into_a_place_it_cannot_write_is_refused_before_the_weights_are_read(finished, monkeypatch):
+    """Issue 49 item 10: the refusal came after the ZeRO shards had been consolidated (minutes at scale)."""
+    from grpo_accel.checkpoint import Checkpoint, CheckpointError
+    from grpo_accel.recipe import export
+
+    read = []
+    monkeypatch.setattr(export, "load_policy", lambda checkpoint: read.append(checkpoint))
+    last = Checkpoint(finished / "checkpoints").complete()[-1]
+    with pytest.raises(CheckpointError, match="export target /proc/grpo_accel_export: cannot write there"):
+        export.export_checkpoint(last, "/proc/grpo_accel_export")
+    assert read == []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -84,7 +85,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
 
 def check_target(out_dir: Path, replace: bool) -> None:
     """A CheckpointError unless ``out_dir`` can take an export: a new or empty folder (any folder with ``replace``)
-    in a folder that exists (whether it can be written, :func:`staged_folder` finds out)."""
+    in a folder that exists and can be written."""
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"export target {out_dir} is a file; name a folder to write the model into.")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not replace:
@@ -94,6 +95,11 @@ def check_target(out_dir: Path, replace: bool) -> None:
     if not out_dir.resolve().parent.is_dir():
         raise CheckpointError(f"export target {out_dir}: its parent folder {out_dir.resolve().parent} does not exist; "
                               "make it first or name another folder.")
+    try:  # before the weights are read (a ZeRO checkpoint's consolidation takes minutes at scale)
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out_dir.name}.check-", dir=out_dir.resolve().parent))
+    except OSError as exc:
+        raise CheckpointError(f"export target {out_dir}: cannot write there ({exc.strerror or exc}); name a folder "
+                              "you can write.") from None
 
 
 @contextlib.contextmanager
