@@ -5,7 +5,10 @@
 
 The batch layout (16 prompts x 8 completions, 128 frames per batch in all) is made once and split over the
 processes explicitly: each process's collector generates its own share of every batch, and the trainer trains on
-it (and refuses a collector whose layout or rank does not match its accelerator).
+it (and refuses a collector whose layout or rank does not match its accelerator). Each batch trains once and
+leaves the replay buffer (``empty_replay_buffer_on_weight_update=True``, synchronous GRPO as launch/train.py does):
+with the spec's default (False) every batch would train on the ones before it too, in micro-batches each process
+shuffles from its own share, which no other process count reproduces.
 """
 import sys
 from pathlib import Path
@@ -38,7 +41,8 @@ def main(total_frames: int = 1280) -> GRPOTrainer:
     collector = GRPOCollector(engine, tokenizer, rows, rewards, layout=layout, rank=accelerator.process_index)
     trainer = GRPOTrainer(collector=collector, total_frames=total_frames, loss_module=GRPOLoss(model),
                           optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4),
-                          weight_sync_sender=EmbeddedWeightSync(engine), seed=0, accelerator=accelerator)
+                          weight_sync_sender=EmbeddedWeightSync(engine), seed=0, accelerator=accelerator,
+                          empty_replay_buffer_on_weight_update=True)  # sync GRPO, as the launcher trains
     trainer.train()
     return trainer
 
