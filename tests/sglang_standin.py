@@ -26,10 +26,8 @@ A real SGLang server needs a GPU; this one serves a transformers model on CPU an
   that file: ``>=`` in 0.5.9, ``>`` in 0.5.23), with SGLang's messages; the context length is the model's
   ``max_position_embeddings`` unless ``--context-length`` (as ``ModelConfig.context_len``), reported at
   ``GET /v1/models`` as ``max_model_len`` (``available_models``, srt/entrypoints/http_server.py);
-- ``/health``: SGLang's ``health_generate`` (srt/entrypoints/http_server.py): 503 while starting, then a one-token
-  generation that waits while generation is paused and that the scheduler holds back while busy (0.5.9: or while
-  any memory tag is released, srt/managers/scheduler.py), answering it at its next batch result; 503 after
-  ``HEALTH_CHECK_TIMEOUT`` (``SGLANG_HEALTH_CHECK_TIMEOUT``, default 20 s) without an answer;
+- ``/health``: SGLang's ``health_generate`` (srt/entrypoints/http_server.py), a one-token generation run as its
+  tokenizer manager and scheduler run it (standin_tokenizer.py ``Scheduling.health``);
 - ``/server_info``: the server args (0.5.23 reports ``--dp-size N --enable-dp-attention`` as ``attn_dp_size`` N,
   srt/arg_groups/parallel_hook.py) and the scheduler's init info (``max_total_num_tokens``, ``max_req_input_len``).
 
@@ -41,17 +39,17 @@ memory touched) the stand-in dies, as the server does.
 
 Nothing here imports grpo_accel. Test control, outside the protocol: ``POST /_standin/fail {"path", "times",
 "how"}`` makes the next calls of ``path`` fail, how = "success_false" (an update receives, then fails to load),
-"refuse" (an update is refused before it receives, as a closed session refuses it), "ignore" (an update is
-received and answered with success but not loaded: a broken server), "ignore_dp1" (dp rank 1 keeps its weights),
-"http_500", "abort" (a /generate's requests come back aborted before prefill), "hang" (an
-/init_weights_update_group that never joins, until a reset) or "hold" (the call takes effect and its answer waits
-for ``POST /_standin/unhold``); any other word passes. ``GET /_standin/state`` returns the weight version, the
-number of loads, the requests seen, the token counts and every parameter; ``GET /_standin/counts`` the token
-counts alone (sampled, returned, aborted completions, retracted requests), the queues' lengths now and at their
-peak, the KV pool's peak and the released memory tags; ``GET /_standin/digest`` a SHA-256 of every parameter (as
-float32 bytes), ``/_standin/dp_digests`` each dp rank's; ``POST /_standin/reset {"flags"}`` makes it the server
-it was at start (weights, version, groups, session, failures, requests, a new start time and seed) as if started
-with ``flags``, so that tests can share one process; it refuses (409) while a request is in flight.
+"refuse" (an update is refused before it receives, as a closed session refuses it), "ignore" (an update is received
+and answered with success but not loaded: a broken server), "ignore_dp1" (dp rank 1 keeps its weights), "http_500",
+"abort" (a /generate's requests come back aborted before prefill), "hang" (an /init_weights_update_group that never
+joins, until a reset) or "hold" (the call takes effect and its answer waits for ``POST /_standin/unhold``); any
+other word passes. ``GET /_standin/state`` returns the weight version, the number of loads, the requests seen, the
+token counts and every parameter; ``GET /_standin/counts`` the token counts alone (sampled, returned, aborted
+completions, retracted requests), the queues' lengths now and at their peak, the KV pool's peak and the released
+memory tags; ``GET /_standin/digest`` a SHA-256 of every parameter (as float32 bytes), ``/_standin/dp_digests`` each
+dp rank's; ``POST /_standin/reset {"flags"}`` makes it the server it was at start (weights, version, groups,
+session, failures, requests, a new start time and seed) as if started with ``flags``, so that tests can share one
+process; it refuses (409) while a request is in flight.
 """
 from __future__ import annotations
 
@@ -73,13 +71,11 @@ from standin_scheduler import DPRank, HTTPError, bad_request  # noqa: E402
 from standin_tokenizer import Scheduling  # noqa: E402
 from standin_weights import TPRank, WeightUpdates, digest  # noqa: E402
 
-
 IMPLEMENTED = {"/health", "/health_generate", "/server_info", "/get_server_info", "/model_info", "/get_model_info",
-               "/v1/models",
-               "/generate", "/flush_cache", "/pause_generation", "/continue_generation", "/init_weights_update_group",
-               "/destroy_weights_update_group", "/update_weights_from_distributed", "/update_weights_from_disk",
-               "/begin_weight_update", "/end_weight_update", "/get_weights_by_name", "/release_memory_occupation",
-               "/resume_memory_occupation", "/abort_request"}
+               "/v1/models", "/generate", "/flush_cache", "/pause_generation", "/continue_generation",
+               "/init_weights_update_group", "/destroy_weights_update_group", "/update_weights_from_distributed",
+               "/update_weights_from_disk", "/begin_weight_update", "/end_weight_update", "/get_weights_by_name",
+               "/release_memory_occupation", "/resume_memory_occupation", "/abort_request"}
 
 
 class Server(Scheduling, WeightUpdates):
@@ -162,9 +158,7 @@ class Server(Scheduling, WeightUpdates):
         ``max_req_input_len``: srt/managers/scheduler.py ``run_scheduler_process`` / ``get_init_info``) and the
         internal state of each dp rank."""
         a = self.args
-        dp, attn_dp = a.dp_size, 1
-        if self.source.dp_attention_is_attn_dp and a.enable_dp_attention:
-            dp, attn_dp = 1, a.dp_size
+        dp, attn_dp = (1, a.dp_size) if self.source.dp_attention_is_attn_dp and a.enable_dp_attention else (a.dp_size, 1)
         info = {"tp_size": a.tp_size, "dp_size": dp, "pp_size": a.pp_size, "enable_dp_attention": a.enable_dp_attention,
                 "context_length": a.context_length, "enable_memory_saver": a.enable_memory_saver,
                 "enable_weights_cpu_backup": a.enable_weights_cpu_backup, "max_total_tokens": a.max_total_tokens,
