@@ -176,3 +176,25 @@ def test_build_rows_and_rewards_from_config(tmp_path):
         resolve_reward("nope")
     with pytest.raises(ConfigError, match="cannot import"):
         resolve_reward("grpo_accel.rewards:nope")
+
+
+def test_prompts_a_tokenizer_drops_characters_of_are_named(tokenizer, tiny_model, caplog):
+    """Issue 49 item 5: a tokenizer that drops what it cannot encode (no unknown token in sight) trained
+    "２+２=" as "+=" without a word; a round trip, decode(encode(text)), names it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE(tokenizer.get_vocab(), [], unk_token=None))  # BPE without an unknown token drops
+    core.pre_tokenizer, core.decoder = pre_tokenizers.Split("", behavior="isolated"), decoders.Fuse()
+    dropping = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>",
+                                       eos_token="<eos>", unk_token="<unk>", padding_side="left")
+    rows = [ROWS[0], {"prompt": "２+２=", "answer": "4"}]
+    with caplog.at_level("WARNING", logger="grpo_accel.rollout.collector"):
+        _collector(dropping, tiny_model, rows=rows, prompts_per_batch=1)
+    assert ("1 of 2 prompts do not read back as written: the tokenizer drops text it cannot encode (first: row 1, "
+            "'２+２=' reads back as '+='); the model trains on what it reads: use the model's own tokenizer, or "
+            "normalise the text (e.g. unicodedata NFKC)") in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="grpo_accel.rollout.collector"):
+        _collector(tokenizer, tiny_model, rows=[ROWS[0]], prompts_per_batch=1)
+    assert "read back" not in caplog.text

@@ -85,6 +85,13 @@ _CONTEXT = ("SGLang: the servers' shortest context less one, at most their max_r
             "max_position_embeddings")
 
 
+def read_back(tokenizer, text: str) -> str | None:
+    """``decode(encode(text))`` when it differs from ``text`` beyond whitespace (a tokenizer that drops or changes
+    characters), else None."""
+    back = tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"], clean_up_tokenization_spaces=False)
+    return None if back.split() == text.split() else back
+
+
 class GRPOCollector(Collector):
     """Iterable of scored rollouts, one per optimisation round (the spec's ``collector``).
 
@@ -210,6 +217,8 @@ class GRPOCollector(Collector):
         return out
 
     def _warn_unknown_tokens(self) -> None:
+        """Prompts the model cannot read as written: text mapped to the unknown token, or dropped by the
+        tokenizer (a round trip, decode(encode(text)), that loses characters)."""
         unk = getattr(self.tokenizer, "unk_token_id", None)
         if unk is None:
             return
@@ -219,6 +228,14 @@ class GRPOCollector(Collector):
                            "the model cannot read that text: use a tokenizer that covers it",
                            len(rows), len(self.rows), self.tokenizer.unk_token, rows[0],
                            self.prompts.texts[rows[0]][:80])
+        lost = [(i, back) for i, text in enumerate(self.prompts.texts) if i not in rows
+                and (back := read_back(self.tokenizer, text)) is not None]
+        if lost:  # a tokenizer that drops what it cannot encode: nothing maps to the unknown token
+            row, back = lost[0]
+            logger.warning("%d of %d prompts do not read back as written: the tokenizer drops text it cannot encode "
+                           "(first: row %d, %r reads back as %r); the model trains on what it reads: use the model's "
+                           "own tokenizer, or normalise the text (e.g. unicodedata NFKC)", len(lost), len(self.rows),
+                           row, self.prompts.texts[row][:80], back[:80])
 
     def collect(self) -> TensorDict:
         """One scored rollout TensorDict [layout.completions_per_process] (keys: grpo_accel.batch). Its ``stats`` hold
