@@ -118,3 +118,54 @@ def test_one_batch_layout_per_run(tmp_path, monkeypatch, tokenizer, tiny_model):
     trainer = make_trainer(tokenizer, tiny_model, gradient_accumulation_steps=2)
     trainer.train()
     assert len(made) == 1 and trainer.layout is made[0] is trainer.collector.layout, "the Python API's: the user's"
+
+
+ROLE = re.compile(r":(?:func|class|meth|mod|attr|data|exc):`~?([\w.]+)`")
+"""A docstring's reference to code (Sphinx's roles, which the API reference renders as links)."""
+
+
+def _walk(obj, attrs: list[str]):
+    for attr in attrs:
+        obj = getattr(obj, attr, None)
+    return obj
+
+
+def _resolves(name: str, module, defined: dict[str, list]) -> bool:
+    """``name`` is a dotted ``grpo_accel...`` path, an attribute chain from ``module`` or from one of its classes
+    (a method named in its class's docstring), or from anything the package defines under its first part."""
+    import importlib
+
+    parts = name.split(".")
+    if parts[0] == "grpo_accel":
+        for cut in range(len(parts), 0, -1):
+            try:
+                return _walk(importlib.import_module(".".join(parts[:cut])), parts[cut:]) is not None
+            except ImportError:
+                continue
+        return False
+    classes = [v for v in vars(module).values() if isinstance(v, type)]
+    return (any(_walk(start, parts) is not None for start in [module, *classes])
+            or any(_walk(value, parts[1:]) is not None for value in defined.get(parts[0], [])))
+
+
+def test_every_code_reference_in_a_docstring_names_something_that_exists():
+    """Issue 51: docstrings named functions that no longer existed (``GRPOTrainer._step_normalizer``). Every
+    :func:/:class:/:meth:/:mod:/:attr: reference in the package's docstrings resolves."""
+    import importlib
+
+    modules = {}
+    for path in sorted((ROOT / "grpo_accel").rglob("*.py")):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = (path, importlib.import_module(name))
+    defined: dict[str, list] = {}
+    for _, module in modules.values():
+        for attr, value in vars(module).items():
+            if getattr(value, "__module__", None) == module.__name__:
+                defined.setdefault(attr, []).append(value)
+    broken = []
+    for name, (path, module) in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                broken += [f"{name}: {ref}" for ref in ROLE.findall(ast.get_docstring(node) or "")
+                           if not _resolves(ref, module, defined)]
+    assert broken == []

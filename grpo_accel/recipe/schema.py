@@ -233,7 +233,8 @@ class GRPOTrainerConfig:
     log_rewards: bool = True
     """Log the reward mean and std, total and per reward function (train/reward_*, train/reward/*)."""
     log_kl: bool = True
-    """Log the KL and KL-estimator scalars (false drops every scalar with "kl" in its name)."""
+    """Log the loss's KL scalars (false drops the loss's kl_outputs: train/loss_kl, train/kl_ref and
+    train/kl_approx; other scalars with "kl" in their names stay)."""
     log_samples: int = 3
     """Completions logged at each log (prompt, completion, rewards): a table in W&B, MLflow and Trackio, text in
     TensorBoard; 0: none."""
