@@ -83,7 +83,8 @@ def test_the_three_engines_key_completions_alike(tokenizer, model_dir, servers, 
     embedded.generate(prompts, group, seeds=seeds)
     sent = []
     sampling_params = api.sampling_params
-    monkeypatch.setattr(api, "sampling_params", lambda *a, seed, **k: sent.append(seed) or sampling_params(*a, seed=seed, **k))
+    monkeypatch.setattr(api, "sampling_params",  # what goes out: the body's sampling_seed
+                        lambda *a, **k: sent.append(sampling_params(*a, **k)["sampling_seed"]) or sampling_params(*a, **k))
     SGLangEngine([servers.get(model_dir)], tokenizer, max_new_tokens=3).generate(prompts, group, seeds=seeds)
     chat = chat_tokenizer()
     runner = EpisodeRunner(EmbeddedEngine(build_tiny_model(chat, seed=0), chat, max_new_tokens=3), chat, Countdown,

@@ -17,6 +17,7 @@ from grpo_accel.distributed import any_process
 from grpo_accel.layout import BatchLayout
 from grpo_accel.rewards import EPISODE_FIELDS, PROVIDED_FIELDS, RewardSet
 from grpo_accel.rules import setting
+from grpo_accel.rollout.sampling import group_seeds
 
 if TYPE_CHECKING:
     from grpo_accel.rollout.episodes import Environment, EpisodeRunner
@@ -272,8 +273,7 @@ class GRPOCollector(Collector):
         indices = global_indices[self.rank * share : (self.rank + 1) * share]
         first_group = self.batches * self.layout.prompts + self.rank * share
         group_ids = list(range(first_group, first_group + share))
-        # Seeds depend on (seed, group id) only: the same samples whatever the number of processes.
-        seeds = [(self.seed % 2**20) * 2**36 + g for g in group_ids]
+        seeds = group_seeds(self.seed, group_ids)  # the same samples whatever the number of processes
         start = time.perf_counter()
         prompt_ids = [self.prompts.ids[i] for i in indices]
         if self.episodes is None:

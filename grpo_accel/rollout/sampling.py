@@ -22,6 +22,13 @@ SEED_RANGE = 2**56
 """Seeds drawn from torch's RNG for a batch given none: each then makes ``group_size`` keys (``completion_keys``)."""
 
 
+def group_seeds(run_seed: int, group_ids: list[int]) -> list[int]:
+    """The seed of each group (a prompt's completions in one batch) from the run's seed and the group's id (its
+    index among all the groups the run draws): ``(run_seed mod 2**20) * 2**36 + id``, within ``SEED_RANGE``. It
+    depends on nothing else: the same samples whatever the number of processes."""
+    return [(run_seed % 2**20) * 2**36 + g % 2**36 for g in group_ids]
+
+
 def batch_seeds(seeds: list[int] | None, prompts: int) -> list[int]:
     """``seeds`` (one per prompt), or without them one per prompt from torch's RNG (the trainer seeds it)."""
     return list(seeds) if seeds is not None else torch.randint(0, SEED_RANGE, (prompts,)).tolist()

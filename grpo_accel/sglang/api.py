@@ -214,13 +214,14 @@ def abort_all_requests() -> tuple[str, dict]:
 def sampling_params(max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
                     stop_token_ids: list[int] = ()) -> dict:
     """SGLang's top_k is -1 when off; temperature 0 means greedy; ``stop_token_ids`` end a completion besides
-    the model's EOS (the matched id is the last of ``output_ids``)."""
+    the model's EOS (the matched id is the last of ``output_ids``); ``sampling_seed`` is an int32 there, so a
+    completion's key (:func:`grpo_accel.rollout.sampling.completion_keys`) goes modulo 2**31."""
     params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
               "top_k": top_k if top_k > 0 else -1}
     if stop_token_ids:
         params["stop_token_ids"] = list(stop_token_ids)
     if seed is not None:
-        params["sampling_seed"] = seed
+        params["sampling_seed"] = seed % 2**31
     return params
 
 

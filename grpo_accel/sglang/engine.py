@@ -154,9 +154,9 @@ class SGLangEngine(RolloutEngine):
         completions = []
         for prompt in prompt_ids:
             budget = min(self.max_new_tokens, self.context_limit - len(prompt))
-            for _ in range(group_size):  # SGLang's sampling_seed is an int32
+            for _ in range(group_size):
                 params = api.sampling_params(max(budget, 0), temperature, self.top_p, self.top_k,
-                                             seed=next(keys) % 2**31, stop_token_ids=self.stop_token_ids)
+                                             seed=next(keys), stop_token_ids=self.stop_token_ids)
                 full = batch.FINISH_LENGTH if budget <= 0 else None  # no room left for a token
                 completions.append(_Completion(list(prompt), params, finish=full))
         self._run([c for c in completions if c.finish is None])
