@@ -50,10 +50,12 @@ class RolloutEngine(ABC):
         model: the module it generates from in this process (None: none here, e.g. a server's).
         collective: every process must call ``generate`` together (an in-process model that ZeRO-3 partitions).
         remote: generation runs in other processes, so a background thread may drive it beside training.
+        temperature: the temperature it samples at (None: not known); the loss must divide logits by the same.
     """
 
     pad_id: int
     max_new_tokens: int
+    temperature: float | None = None
     weight_version: int = 0
     context_limit: int | None = None
     model: nn.Module | None = None
@@ -135,10 +137,13 @@ class LossModule(nn.Module):
             (:meth:`add_old_logprobs`) when a batch serves more than one optimizer step.
         kl_outputs: the output keys that are KL terms or KL diagnostics (``log_kl=False`` leaves them out of
             the logs).
+        temperature: the temperature its logprobs are taken at (logits divided by it; None: not a concern of
+            this loss): the trainer checks it against the engine's.
     """
 
     uses_old_logprobs: bool = False
     kl_outputs: tuple[str, ...] = ()
+    temperature: float | None = None
 
     def __init__(self, policy: nn.Module | None = None, reference: Any = None) -> None:
         super().__init__()

@@ -278,3 +278,21 @@ def test_an_engine_of_ones_own_plugs_in_through_the_contract(tokenizer, tiny_mod
     trainer.train()
     assert trainer.iterations == 2 and trainer.optim_steps == 2 and "train/loss" in trainer.history[-1]
     collector.close()  # the contract's defaults: nothing to release
+
+
+def test_a_loss_at_another_temperature_than_the_engine_is_refused_where_the_trainer_is_assembled(tokenizer):
+    """Issue 51: the sampling temperature reached the engine and the loss separately and nothing checked that they
+    agree for a Python API user: a loss at 1.0 over an engine sampling at 0.7 trained on the wrong ratios."""
+    from grpo_accel.loss import GRPOLoss
+    from grpo_accel.trainer import GRPOTrainer
+
+    model = build_tiny_model(tokenizer, seed=0)
+    engine = EmbeddedEngine(model, tokenizer, max_new_tokens=2, temperature=0.7)
+    collector = GRPOCollector(engine, tokenizer, addition_rows(4)[0], RewardSet({"a": answer_match}),
+                              layout=BatchLayout(prompts=2, group_size=2))
+    with pytest.raises(ValueError, match=r"GRPOTrainer: loss_module.temperature=1.0: the collector's engine samples "
+                                         r"at temperature 0.7; build the loss with temperature=0.7"):
+        GRPOTrainer(collector=collector, total_frames=4, loss_module=GRPOLoss(model),
+                    optimizer=torch.optim.AdamW(model.parameters()))
+    GRPOTrainer(collector=collector, total_frames=4, loss_module=GRPOLoss(model, temperature=0.7),
+                optimizer=torch.optim.AdamW(model.parameters()))

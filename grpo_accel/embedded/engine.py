@@ -106,6 +106,10 @@ class EmbeddedEngine(RolloutEngine):
         return self.settings.max_new_tokens
 
     @property
+    def temperature(self) -> float:
+        return self.settings.temperature
+
+    @property
     def context_limit(self) -> int | None:
         """The most prompt + completion tokens one sequence may hold: the model's ``max_position_embeddings``."""
         return getattr(self.model.config, "max_position_embeddings", None)

@@ -52,6 +52,7 @@ def accelerator_for(a: dict):
     require(acc.gradient_accumulation_steps == a["gradient_accumulation_steps"], "gradient_accumulation_steps",
             a["gradient_accumulation_steps"], f"the given accelerator accumulates {acc.gradient_accumulation_steps}")
     check_collector(a["collector"], acc)
+    check_temperature(a["collector"].engine, a["loss_module"])
     if a["async_collection"]:
         check_async(a["collector"], a["loss_module"], acc)
     return acc
@@ -66,6 +67,15 @@ def check_collector(collector: Collector, acc) -> None:
             "processes=accelerator.num_processes (each process then collects its share of every batch)")
     require(collector.rank == acc.process_index, "collector.rank", collector.rank,
             f"this is process {acc.process_index}; build the collector with rank=accelerator.process_index")
+
+
+def check_temperature(engine, loss_module: LossModule) -> None:
+    """The loss takes logprobs at the temperature the engine samples at (the importance ratio and pi_old compare
+    the two): checked once here, where the parts meet, for the Python API and the config alike."""
+    sampled, taken = None if engine is None else engine.temperature, loss_module.temperature
+    require(sampled is None or taken is None or float(sampled) == float(taken), "loss_module.temperature", taken,
+            f"the collector's engine samples at temperature {sampled}; build the loss with temperature={sampled} "
+            "(GRPOLoss(..., temperature=...)) so that its logprobs are the engine's")
 
 
 def check_async(collector: Collector, loss_module: LossModule, acc) -> None:
