@@ -90,3 +90,14 @@ def fresh_server(servers, model_dir):
     from standin import NEWEST
 
     return lambda version=NEWEST: servers.get(model_dir, "--deterministic", version=version)
+
+
+@pytest.fixture
+def accelerator():
+    """A one-process CPU Accelerator, its global state reset after the test."""
+    from accelerate import Accelerator
+
+    from trainer_utils import reset_accelerate_state
+
+    yield Accelerator(cpu=True)
+    reset_accelerate_state()

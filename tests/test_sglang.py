@@ -111,14 +111,6 @@ def test_waiting_for_a_server_says_what_it_waits_for(caplog):
 # ------------------------------------------------------------------- weight senders, in this process
 
 
-@pytest.fixture
-def accelerator():
-    from accelerate import Accelerator
-
-    yield Accelerator(cpu=True)
-    reset_accelerate_state()
-
-
 def trained(model, step=0.01):
     """Change every weight, as an optimizer step would."""
     with torch.no_grad():

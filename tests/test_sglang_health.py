@@ -14,7 +14,7 @@ from launching import free_port
 from sglang_source import VERSIONS
 from standin import control, server_state
 from test_sglang_runs import assert_server_holds_checkpoint, sglang_args
-from test_sglang_scheduler import accelerator, counts, distributed_sender, post_async  # noqa: F401 (a fixture)
+from test_sglang_scheduler import counts, distributed_sender, post_async
 
 
 def health(url: str) -> tuple[int, float]:

@@ -21,15 +21,7 @@ from grpo_accel.sglang.engine import SGLangEngine
 from launching import free_port, launch
 from sglang_source import VERSIONS
 from standin import NEWEST, control, fail_next, server_state
-from trainer_utils import reset_accelerate_state, train_in_process
-
-
-@pytest.fixture
-def accelerator():
-    from accelerate import Accelerator
-
-    yield Accelerator(cpu=True)
-    reset_accelerate_state()
+from trainer_utils import train_in_process
 
 
 def distributed_sender(accelerator, model, urls, **kw):

@@ -16,15 +16,7 @@ from launching import free_port
 from sglang_source import VERSIONS
 from standin import NEWEST, control, fail_next, server_state
 from test_sglang_runs import assert_server_holds_checkpoint, sglang_args
-from trainer_utils import reset_accelerate_state, train_in_process
-
-
-@pytest.fixture
-def accelerator():
-    from accelerate import Accelerator
-
-    yield Accelerator(cpu=True)
-    reset_accelerate_state()
+from trainer_utils import train_in_process
 
 
 def counts(url: str) -> dict:

@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,9 @@ import urllib.request
 from pathlib import Path
 
 from trl_parity import ROOT, readme_command, tiny_model_folder
+
+sys.path.insert(0, str(ROOT / "tests"))  # the stand-in's launcher helpers, as the tests start it
+from launching import free_port  # noqa: E402
 
 STANDIN = ROOT / "tests" / "sglang_standin.py"
 SGLANG_VERSION = "0.5.23"
@@ -69,12 +71,6 @@ def summary(times: dict[str, list[float]]) -> dict:
             "overlap": statistics.median(s / max(g, t) for s, g, t, _ in per_batch),
             "push_share": statistics.median(p / s for s, _, _, p in per_batch), "batches": len(per_batch),
             "per_batch": times}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
