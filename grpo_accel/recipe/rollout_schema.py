@@ -96,10 +96,10 @@ class RolloutConfig:
     @property
     def max_completion_tokens(self) -> int:
         """The most tokens the model writes in one completion (or episode): Dr. GRPO's constant normaliser."""
-        if self.environment is None:
-            return self.max_new_tokens
-        turns = self.max_turns * self.max_new_tokens
-        return turns if self.max_episode_tokens is None else min(turns, self.max_episode_tokens)
+        from grpo_accel.rollout.episodes import completion_budget
+
+        episodes = self.environment is not None
+        return completion_budget(self.max_new_tokens, self.max_turns if episodes else None, self.max_episode_tokens)
 
 
 @dataclass

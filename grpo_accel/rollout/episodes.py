@@ -161,6 +161,16 @@ class _Episode:
     env_rewards: dict[str, float] = field(default_factory=dict)
 
 
+def completion_budget(max_new_tokens: int, max_turns: int | None = None, max_episode_tokens: int | None = None) -> int:
+    """The most tokens the model writes in one completion, or in one episode of ``max_turns`` model turns of
+    ``max_new_tokens`` each, capped by ``max_episode_tokens`` (what :class:`EpisodeRunner` enforces): Dr. GRPO's
+    constant normaliser."""
+    if max_turns is None:
+        return max_new_tokens
+    turns = max_turns * max_new_tokens
+    return turns if max_episode_tokens is None else min(turns, max_episode_tokens)
+
+
 class EpisodeRunner:
     """Runs the G episodes of each prompt turn by turn on a rollout engine and returns them as one rollout.
 
