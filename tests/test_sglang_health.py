@@ -112,7 +112,8 @@ def test_a_colocated_zero3_run_brings_back_the_server_its_sigkilled_predecessor_
     path, calls = KILLED_AT[killed_at]
     for how in calls:
         control(url, "/_standin/fail", {"path": path, "how": how})
-    args = sglang_args(out, url, model_dir, "rollout.colocate=true", "checkpoint.interval_frames=128")
+    args = sglang_args(out, url, model_dir, "rollout.colocate=true", "checkpoint.interval_frames=128",
+                       "trainer.total_frames=256")  # killed in batch 2 of 2: the resumed run trains it
     cmd = [*ACCELERATE, "--config_file", str(ROOT / "accelerate_configs" / "zero3.yaml"), "--main_process_port",
            str(free_port()), str(ROOT / "launch" / "train.py"), *args]
     with subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "DS_ACCELERATOR": "cpu"}, stdout=subprocess.DEVNULL,
