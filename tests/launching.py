@@ -52,16 +52,23 @@ def run_in_group(cmd: list[str], timeout: float, **kwargs) -> subprocess.Complet
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
+def _family(pid: int) -> list:
+    """``pid`` and every process under it (psutil), whatever session or group they are in; [] once it is gone."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [*root.children(recursive=True), root]  # the ranks before their launcher
+    except psutil.NoSuchProcess:
+        return []
+
+
 def sigkill_tree(pid: int) -> None:
     """SIGKILL ``pid`` and every process under it at once, as a lost node dies (the ranks of ``accelerate launch``
     live in sessions of their own: a killpg of the launcher's group leaves them running)."""
     import psutil
 
-    try:
-        root = psutil.Process(pid)
-        family = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
+    family = _family(pid)
     for process in family:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
@@ -80,11 +87,7 @@ def _kill_tree(pid: int) -> None:
     """SIGABRT then SIGKILL to ``pid`` and all its descendants, whatever session or group they are in."""
     import psutil
 
-    try:
-        root = psutil.Process(pid)
-        family = [*root.children(recursive=True), root]
-    except psutil.NoSuchProcess:
-        family = []
+    family = _family(pid)
     for process in family:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.send_signal(signal.SIGABRT)
