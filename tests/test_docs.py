@@ -32,3 +32,19 @@ def test_help_prints_every_key_with_its_type_default_and_meaning(capsys):
     text = re.sub(r"\s+", " ", capsys.readouterr().out)
     for key in keys():
         assert f"{key.name}={key.default} ({key.type}) {' '.join(key.meaning.split())}" in text, key.name
+
+
+def test_the_readmes_links_into_the_repository_reach_a_file_and_heading():
+    """The site's build checks the pages' own links and headings; the README is outside it, so its links are checked
+    here, each heading slug as the site's table of contents makes it."""
+    from markdown.extensions.toc import slugify
+
+    readme = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\((?!https?://)([^)#\s]+)(?:#([^)\s]+))?\)", readme)
+    assert len(links) > 10
+    for path, anchor in links:
+        target = ROOT / path
+        assert target.exists(), f"README links to {path}, which is not in the repository"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", target.read_text(), re.M)
+            assert anchor in {slugify(h.replace("`", ""), "-") for h in headings}, f"{path} has no heading #{anchor}"
