@@ -1,4 +1,6 @@
-"""Group-relative advantages: what the collector attaches to a scored rollout (the loss only reads them)."""
+"""Shared by rewards/ and rollout/.
+
+Group-relative advantages: what the collector attaches to a scored rollout (the loss only reads them)."""
 from __future__ import annotations
 
 from torch import Tensor

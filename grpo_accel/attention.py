@@ -1,4 +1,6 @@
-"""Attention masks handed to a transformers model in 4-D form, which its mask creation passes on unchanged.
+"""Shared by embedded/, logprobs.py and loss/.
+
+Attention masks handed to a transformers model in 4-D form, which its mask creation passes on unchanged.
 
 The embedded decode loop and the shared-prompt training forward build their own masks (a row's keys per
 query); this is where a model is checked to take one and where the mask takes the attention's format, and

@@ -1,4 +1,6 @@
-"""The rollout TensorDict: its keys, shapes and padding rules, defined once.
+"""Shared by every room.
+
+The rollout TensorDict: its keys, shapes and padding rules, defined once.
 
 A rollout of ``B`` prompts x ``G`` completions is a TensorDict with batch size ``[N] = [B*G]``; the G
 completions of a prompt are contiguous (rows ``g*G .. g*G+G-1`` share ``group_id``).

@@ -1,4 +1,6 @@
-"""Checkpoints that never lose a run: atomic folders, rotation that keeps the newest, verified resume.
+"""Shared by recipe/ and trainer/.
+
+Checkpoints that never lose a run: atomic folders, rotation that keeps the newest, verified resume.
 
 Layout of ``<directory>/step_00000042/`` (one folder per save, named by the trainer's iteration):
 
@@ -189,7 +191,7 @@ class Checkpoint:
         if meta["num_processes"] != num_processes:
             raise CheckpointError(
                 f"checkpoint {path} was written by {meta['num_processes']} processes, this run has {num_processes}. "
-                f"Resume with {meta['num_processes']} processes, or export it (python -m grpo_accel.export {path} "
+                f"Resume with {meta['num_processes']} processes, or export it (grpo-accel export {path} "
                 "OUT) and start a new run from that folder."
             )
         if meta["zero_stage"] != zero_stage:

@@ -1,4 +1,6 @@
-"""The parts that GRPOTrainer and the recipe plug together, declared once: what each part must provide, what it
+"""Shared by embedded/, loss/, reporting/, rollout/, sglang/ and trainer/.
+
+The parts that GRPOTrainer and the recipe plug together, declared once: what each part must provide, what it
 may leave to a default, and who calls it when. A part of your own subclasses its contract here; the trainer and
 the launcher call these members and nothing else (they never ask a part what it can do).
 

@@ -1,4 +1,6 @@
-"""Prompts: checking chat messages and dataset columns, rendering every prompt through the chat template and
+"""Shared by recipe/, reporting/ and rollout/.
+
+Prompts: checking chat messages and dataset columns, rendering every prompt through the chat template and
 tokenising it, before any training starts. (Loading a config's dataset: :mod:`grpo_accel.recipe.dataset`.)
 
 A row's prompt is a string (the model reads it as is) or a list of chat messages, TRL's conversational format
@@ -8,6 +10,7 @@ message first).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -82,14 +85,20 @@ def chat_messages(prompt: str | list[dict], system_prompt: str | None) -> list[d
     return [{"role": "system", "content": system_prompt}, *prompt]
 
 
+def tools_system_prompt(schemas: list[dict], open_tag: str = "<tool_call>", close_tag: str = "</tool_call>") -> str:
+    """What a chat template without tool support is given instead, in the system message: the tools' schemas
+    and how to call them (the tagged format :class:`grpo_accel.rollout.tools.TaggedCallParser` reads)."""
+    lines = "\n".join(json.dumps(s["function"]) for s in schemas)
+    return (f"You can call these tools:\n{lines}\nTo call one, reply with {open_tag}"
+            f'{{"name": "<tool>", "arguments": {{...}}}}{close_tag}; its result comes back as a tool message.')
+
+
 def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,
                 add_generation_prompt: bool = True) -> str:
     """The chat template's text of ``messages``. ``tools`` (function schemas) go to the template as ``tools=``
     when it uses them; a template that does not (SmolLM2's) gets them as text in the system message instead
-    (:func:`grpo_accel.tools.tools_system_prompt`), so that the model always sees them."""
+    (:func:`tools_system_prompt`), so that the model always sees them."""
     if tools and "tools" not in (tokenizer.chat_template or ""):
-        from grpo_accel.tools import tools_system_prompt
-
         text = tools_system_prompt(tools)
         if messages and messages[0]["role"] == "system":
             messages = [{"role": "system", "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]

@@ -1,4 +1,6 @@
-"""The base class of the errors a user fixes: each message names the setting, file or function, the value and the
+"""Shared by every room.
+
+The base class of the errors a user fixes: each message names the setting, file or function, the value and the
 fix, so the launcher shows it as one line (exit code 2) instead of a traceback."""
 
 

@@ -1,4 +1,6 @@
-"""A small JSON-over-HTTP client for SGLang servers: bearer key, bounded retries with backoff, clear errors."""
+"""Shared by rewards/ and sglang/.
+
+A small JSON-over-HTTP client for SGLang servers: bearer key, bounded retries with backoff, clear errors."""
 from __future__ import annotations
 
 import json

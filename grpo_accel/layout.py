@@ -1,4 +1,6 @@
-"""How a collected batch is split: over processes, into micro-batches, into optimizer steps.
+"""Shared by contracts.py, recipe/ and rollout/.
+
+How a collected batch is split: over processes, into micro-batches, into optimizer steps.
 
 One value per run, :class:`BatchLayout`: the recipe makes it from the config (``grpo_accel.recipe.build``), a
 Python API user makes it by hand; the collector and the trainer are handed it and only read it. It holds the

@@ -1,4 +1,6 @@
-"""Per-token logprobs and entropy of sampled tokens without a float32 [N, T, V] log-softmax copy.
+"""Shared by embedded/ and loss/.
+
+Per-token logprobs and entropy of sampled tokens without a float32 [N, T, V] log-softmax copy.
 
 ``log p(y_t) = z[y_t] / tau - logsumexp(z / tau)``: a gather and a logsumexp, computed over row chunks so
 that at most ``chunk_rows x V`` float32 values exist at once. The backward is written by hand for the same
@@ -110,7 +112,7 @@ def sequence_logprobs(
 
     ``packed`` computes the same values on real tokens only (padding-free, see ``packed_forward``); check a
     model with ``GRPOLoss(packing=True)``, which compares the two paths on first use. ``forward`` is another
-    path with ``padded_forward``'s contract (``logprob_paths.shared_forward``: each distinct prompt run once):
+    path with ``padded_forward``'s contract (``loss.paths.shared_forward``: each distinct prompt run once):
     ``forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> logits [..., V], rows [N, C]``,
     ``rows`` the row of ``logits.reshape(-1, V)`` that predicts each completion token (any row for padding).
     The logprobs are read at those rows, so no [N, C, V] copy of the logits is made.

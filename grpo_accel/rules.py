@@ -1,4 +1,6 @@
-"""Each rule about a setting's value, once. The YAML config (``grpo_accel.recipe.schema``, naming its keys) and the
+"""Shared by every room.
+
+Each rule about a setting's value, once. The YAML config (``grpo_accel.recipe.schema``, naming its keys) and the
 Python API (``GRPOLoss``, ``GRPOTrainer``, the collector, ..., naming their arguments) check through
 :func:`check`, so a value is refused with the same reason and fix whichever way it was given.
 

@@ -1,4 +1,6 @@
-"""Process-level set-up: torch threads per process, the allocator, DeepSpeed's CPU op, stale build locks, signals
+"""Shared by cli/, distributed/, recipe/ and trainer/.
+
+Process-level set-up: torch threads per process, the allocator, DeepSpeed's CPU op, stale build locks, signals
 and the terminal, the exit."""
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ def tiny_model(tokenizer):
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """SmolLM2-135M-Instruct as a Hugging Face folder, converted once per machine (python -m grpo_accel.models)."""
+    """SmolLM2-135M-Instruct as a Hugging Face folder, converted once per machine (grpo-accel models)."""
     from grpo_accel.recipe.models import convert
 
     folder = Path(os.environ.get("GRPO_ACCEL_MODEL_CACHE", Path.home() / ".cache" / "grpo_accel" / "models"))

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from grpo_accel.deepspeed_config import DistributedConfigError, read_deepspeed_file, validate_deepspeed_config
+from grpo_accel.distributed.deepspeed_files import DistributedConfigError, read_deepspeed_file, validate_deepspeed_config
 from launching import ROOT, TINY_FOLDER, free_port, launch, launch_training, run_in_group
 from trainer_utils import train_in_process
 

@@ -19,7 +19,7 @@ from grpo_accel.embedded.engine import EmbeddedEngine
 from grpo_accel.rollout.episodes import EpisodeRunner, TurnRenderer
 from grpo_accel.tasks.calculator import calculator, calculator_environment
 from grpo_accel.tasks.tiny import build_tiny_model
-from grpo_accel.tools import TaggedCallParser, ToolCall, ToolRunner, tool_schema
+from grpo_accel.rollout.tools import TaggedCallParser, ToolCall, ToolRunner, tool_schema
 
 @pytest.fixture(scope="module")
 def tok():

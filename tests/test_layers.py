@@ -1,5 +1,5 @@
 """The package's import graph has no cycle, function-level (lazy) imports included (issue 28: layers point one
-way; lora.py and weight_sync/gather.py used to import each other)."""
+way; lora.py and the bucketed gather (now sglang/gather.py) used to import each other)."""
 import ast
 import re
 
@@ -56,15 +56,10 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycle_lazy_imports_included():
     graph = import_graph()
-    assert {"grpo_accel.lora", "grpo_accel.weight_sync.gather", "grpo_accel.trainer"} <= set(graph)
-    assert "grpo_accel.weight_sync.gather" not in graph["grpo_accel.lora"]
+    assert {"grpo_accel.lora", "grpo_accel.sglang.gather", "grpo_accel.trainer"} <= set(graph)
+    assert "grpo_accel.sglang.gather" not in graph["grpo_accel.lora"]
     assert cycles(graph) == []
     assert cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]], "the check finds one"
-
-
-COMMANDS = {"grpo_accel.export", "grpo_accel.models"}  # `python -m` entries of recipe/'s tools
-"""The two modules outside recipe/ that may import it besides the command line (grpo_accel/cli/, the layer above
-the recipe): each only hands its command line to recipe/."""
 
 
 def test_components_never_import_the_recipe_nor_raise_its_errors():
@@ -72,11 +67,34 @@ def test_components_never_import_the_recipe_nor_raise_its_errors():
     raises its own errors naming its own arguments, and the recipe says which config key was meant."""
     graph = import_graph()
     inward = {m: sorted(d for d in deps if d.startswith("grpo_accel.recipe")) for m, deps in graph.items()
-              if not m.startswith(("grpo_accel.recipe", "grpo_accel.cli")) and m not in COMMANDS}
+              if not m.startswith(("grpo_accel.recipe", "grpo_accel.cli"))}
     assert {m: d for m, d in inward.items() if d} == {}
     speaking = [f.relative_to(ROOT) for f in (ROOT / "grpo_accel").rglob("*.py")
                 if not {"recipe", "cli"} & set(f.parts) and re.search(r"\bConfigError\b", f.read_text())]
     assert speaking == []
+
+
+def room(module: str) -> str:
+    """The room a module lives in: its first folder under the package, or its own name at the root."""
+    return module.split(".")[1]
+
+
+def test_the_package_root_holds_only_modules_several_rooms_share():
+    """Issue 51: the root was a corridor of single-file modules. Each module left there is imported by at least two
+    others rooms (or root modules) and its docstring's first line says so, naming them ("every room" for five or
+    more); a module used by one room lives in it."""
+    graph = import_graph()
+    root = sorted(m for m in graph if m.count(".") == 1 and (ROOT / "grpo_accel" / f"{room(m)}.py").exists())
+    assert {"grpo_accel.batch", "grpo_accel.errors"} <= set(root) and "grpo_accel.loss" not in root
+    wrong = {}
+    for module in root:
+        users = {room(m) for m, deps in graph.items() if module in deps} - {room(module)}
+        first = (ROOT / "grpo_accel" / f"{room(module)}.py").read_text().splitlines()[0].removeprefix('"""')
+        named = set(re.findall(r"(\w+)(?:/|\.py)", first))
+        if len(users) < 2 or not first.startswith("Shared by ") or not (
+                named == users if named else first == "Shared by every room." and len(users) >= 5):
+            wrong[module] = (sorted(users), first)
+    assert wrong == {}
 
 
 def probes(source: str) -> list[str]:

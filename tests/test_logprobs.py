@@ -204,7 +204,7 @@ def test_a_tied_embedding_adds_its_rows_into_the_head_gradient_in_place(tokenize
     """The tied weight's gradient equals autograd's own sum (float64, to 1e-12; padding ids get no rows, two
     accumulated backwards), made without the [V, H] sum or copy that autograd's own way makes."""
     import grpo_accel.logprobs as lp
-    from grpo_accel.logprob_paths import shared_forward
+    from grpo_accel.loss.paths import shared_forward
     from grpo_accel.tasks.tiny import build_tiny_qwen2
 
     model = build_tiny_qwen2(tokenizer, seed=0).double()

@@ -147,7 +147,7 @@ def test_resume_with_another_process_count_says_how(tmp_path, straight, never):
     with pytest.raises(CheckpointError, match="was written by 2 processes, this run has 1") as err:
         train_in_process([f"output_dir={run}", f"trainer.total_frames={8 * BATCH}", *BASE, never,
                           "checkpoint.resume=auto"])
-    assert "python -m grpo_accel.export" in str(err.value)
+    assert "grpo-accel export" in str(err.value)
     assert contents(run) == before
 
 

@@ -12,7 +12,7 @@ import torch
 import reward_helpers
 from grpo_accel.recipe.parts import build_reward
 from grpo_accel.recipe.rollout_schema import RewardConfig
-from grpo_accel.reward_sources import AsyncReward, RemoteReward, RewardFault, TimedReward
+from grpo_accel.rewards.sources import AsyncReward, RemoteReward, RewardFault, TimedReward
 from grpo_accel.rewards import RewardSet, answer_match, standardise
 from launching import ROOT, free_port, launch, run_in_group
 from trainer_utils import train_in_process
@@ -165,7 +165,7 @@ def digit_preferring_reward_model(tokenizer, folder, steps: int = 60):
 
 
 def test_a_reward_model_built_in_code_trains_the_tiny_policy(tokenizer, tmp_path):
-    from grpo_accel.reward_sources import RewardModel
+    from grpo_accel.rewards.sources import RewardModel
 
     folder = digit_preferring_reward_model(tokenizer, tmp_path / "rm")
     rm = RewardModel("reward_model", str(folder), batch_size=4)
@@ -215,7 +215,7 @@ def test_math_answer_is_time_limited_in_a_background_thread_too():
     collection) the check runs in a worker process limited to 5 s, with the same verdicts."""
     import threading
 
-    from grpo_accel import rewards
+    from grpo_accel.rewards import builtin as rewards
 
     def in_thread(found, gold):
         out = []

@@ -75,7 +75,7 @@ def test_the_trainer_api_resumed_on_a_finished_checkpoint_collects_nothing(finis
 
 
 def export(*args):
-    return subprocess.run([sys.executable, "-m", "grpo_accel.export", *map(str, args)], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "grpo_accel.cli", "export", *map(str, args)], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
 
 

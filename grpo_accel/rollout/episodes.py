@@ -25,7 +25,7 @@ from grpo_accel.data import ROLES, Prompts, chat_messages, encode_prompts, is_ch
 from grpo_accel.errors import UserError
 from grpo_accel.rollout.sampling import batch_seeds, completion_keys, turn_key
 from grpo_accel.rules import check
-from grpo_accel.tools import CallParser, TaggedCallParser, ToolRunner, tool_schema
+from grpo_accel.rollout.tools import CallParser, TaggedCallParser, ToolRunner, tool_schema
 
 SENTINEL = "\u2063GRPO_ACCEL_TURN\u2063"  # stands for a model turn's text while finding the template's framing
 
@@ -72,7 +72,7 @@ class ToolEnvironment:
     messages; the first turn without a call ends the episode (its text is the final answer).
 
     Args:
-        tools: plain functions with docstrings (see :mod:`grpo_accel.tools`).
+        tools: plain functions with docstrings (see :mod:`grpo_accel.rollout.tools`).
         parser: reads calls from a turn's text; the ``<tool_call>{json}</tool_call>`` format by default.
         timeout_s: each call's time limit; a call over it is answered with an error.
         prompt_field / system_prompt: the row's column with the first messages, and a system message to put

@@ -1,6 +1,7 @@
 """Everything grpo_accel says to SGLang servers, in one room: the API (releases, requests, ``api.py``), rollouts over
-HTTP (``engine.py``), weight pushes (``sender.py``: what every transport shares; one file per transport) and the
-weight-update process group the servers join (``group.py``).
+HTTP (``engine.py``), weight pushes (``sender.py``: what every transport shares; one file per transport; the
+trained weights gathered from their ZeRO-3 shards one bucket at a time, ``gather.py``) and the weight-update
+process group the servers join (``group.py``).
 
 Nothing here imports ``sglang`` except the same-node tensor transport, which needs its serializer.
 """

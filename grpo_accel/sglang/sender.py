@@ -44,7 +44,7 @@ from grpo_accel.http import HTTPClient, ServerError
 from grpo_accel.rules import check_choice, setting
 from grpo_accel.sglang import api
 from grpo_accel.sglang.memory import ServerMemory
-from grpo_accel.weight_sync.gather import BucketedGather, EngineWeight
+from grpo_accel.sglang.gather import BucketedGather, EngineWeight
 
 logger = logging.getLogger(__name__)
 

@@ -82,7 +82,7 @@ class BareLoop:
             self.model = self.engine
 
     def step(self, micro_batches, temperature: float = 1.0) -> None:
-        from grpo_accel.logprob_paths import shared_forward
+        from grpo_accel.loss.paths import shared_forward
         from grpo_accel.logprobs import sequence_logprobs
 
         for mb in micro_batches:
@@ -102,7 +102,7 @@ class BareLoop:
 
 def run(args) -> dict | None:
     """Measure; the result on the main process, None on the others."""
-    from grpo_accel.deepspeed_config import preflight
+    from grpo_accel.distributed.deepspeed_files import preflight
     from grpo_accel.distributed import full_numel, launch_world_size, make_accelerator, zero_stage
     from grpo_accel.loss import GRPOLoss
     from grpo_accel.rewards import RewardSet, answer_match, format_match

@@ -8,7 +8,7 @@
 #   bash launch/bench/gpu_check.sh shared             # the loss's forward+backward: padded vs shared prompts (4-D mask)
 #
 # sglang: makes .venv-sglang with sglang==${SGLANG_VERSION:-0.5.23} (it pins its own CUDA torch) and grpo_accel,
-# converts SmolLM2-135M-Instruct (python -m grpo_accel.models), starts a server with
+# converts SmolLM2-135M-Instruct (grpo-accel models), starts a server with
 # --enable-deterministic-inference, runs a short GRPO job with rollout.backend=sglang, then
 # launch/bench/check_sglang.py compares the server's release, weight version, weights (/get_weights_by_name: SmolLM2
 # is a Llama) and greedy generations with the job's final weights. With 2+ GPUs the server gets GPU 1 and the
@@ -59,7 +59,7 @@ fi
 verdict PASS "installed: $("$sg" -c 'import sglang, torch; print("sglang", sglang.__version__, "torch", torch.__version__)') ($((SECONDS - start)) s)"
 
 model=$out/smollm2-135m
-[ -f "$model/config.json" ] || "$sg" -m grpo_accel.models smollm2-135m "$model"
+[ -f "$model/config.json" ] || "$sg" -m grpo_accel.cli models smollm2-135m "$model"
 
 port=${PORT:-30000}
 if [ "$gpus" -ge 2 ]; then server_gpu=1; method=distributed; mem=0.8; else server_gpu=0; method=tensor; mem=0.4; fi

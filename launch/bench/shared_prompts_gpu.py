@@ -16,7 +16,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 from grpo_accel.logprobs import sequence_logprobs  # noqa: E402
-from grpo_accel.logprob_paths import shared_forward  # noqa: E402
+from grpo_accel.loss.paths import shared_forward  # noqa: E402
 
 torch.manual_seed(0)
 cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from grpo_accel import batch
 from grpo_accel.contracts import LossModule
-from grpo_accel.logprob_paths import LogprobPaths
+from grpo_accel.loss.paths import LogprobPaths
 from grpo_accel.rules import check, check_choice, require
 
 
@@ -211,7 +211,7 @@ class GRPOLoss(LossModule):
             padded ones, and a model that does not keep packed rows apart is refused with an error.
         mask_truncated: leave completions cut by the length limit out of the loss (:func:`without_truncated`).
         shared_prompts: run a group's prompt once for several of its completions (one row per prompt and k of
-            its completions under a 4-D mask, k chosen per micro-batch by cost, see ``logprob_paths``). On first
+            its completions under a 4-D mask, k chosen per micro-batch by cost, see :mod:`grpo_accel.loss.paths``). On first
             use with each model the shared logprobs are compared to the padded ones; a model that differs,
             fails, or takes no 4-D mask of full attention runs padded. Ignored with ``packing``.
 

@@ -1,6 +1,6 @@
-"""Distributed set-up in one place: the Accelerator (truly distributed on CPU), the one answer to "DeepSpeed? which
-ZeRO stage?", the DeepSpeed values the trainer owns, collective flags, and the ZeRO-3 gather used wherever full
-parameters are needed (generation, export, weight sync). The DeepSpeed files: :mod:`grpo_accel.deepspeed_config`.
+"""The processes and the Accelerator: the one answer to "DeepSpeed? which ZeRO stage?", the DeepSpeed values the
+trainer owns, collective flags, sizes of sharded parameters, and the ZeRO-3 gather used wherever full parameters
+are needed (generation, export, weight sync).
 """
 from __future__ import annotations
 

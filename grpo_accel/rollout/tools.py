@@ -132,11 +132,3 @@ class ToolRunner:
         except Exception as exc:  # a tool's failure is the model's to read, not a crash
             return f"error: {call.name} raised {type(exc).__name__}: {exc}", True
         return (value if isinstance(value, str) else json.dumps(value)), False
-
-
-def tools_system_prompt(schemas: list[dict], open_tag: str = "<tool_call>", close_tag: str = "</tool_call>") -> str:
-    """What a chat template without tool support is given instead, in the system message: the tools' schemas
-    and how to call them (the tagged format :class:`TaggedCallParser` reads)."""
-    lines = "\n".join(json.dumps(s["function"]) for s in schemas)
-    return (f"You can call these tools:\n{lines}\nTo call one, reply with {open_tag}"
-            f'{{"name": "<tool>", "arguments": {{...}}}}{close_tag}; its result comes back as a tool message.')
