@@ -32,11 +32,11 @@ def every_request(session: bool):
         api.init_weights_update_group("10.0.0.1", 29600, 1, 3, "weight_update_group-ab12cd34-1", "nccl"),
         api.destroy_weights_update_group("weight_update_group-ab12cd34-1"),
         api.update_weights_from_distributed(["model.embed_tokens.weight", "lm_head.weight"], ["bfloat16"] * 2,
-                                            [[32, 8], [32, 8]], "weight_update_group-ab12cd34-1", False, False, "3"),
+                                            [[32, 8], [32, 8]], "weight_update_group-ab12cd34-1", False, False, 3),
         api.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[8]], "weight_update_group-ab12cd34-1",
-                                            True, True, "3"),
-        api.update_weights_from_tensor(["YWJj", "ZGVm"], True, "3"),
-        api.update_weights_from_disk("/shared/weights/version_000003", "3"),
+                                            True, True, 3),
+        api.update_weights_from_tensor(["YWJj", "ZGVm"], True, 3),
+        api.update_weights_from_disk("/shared/weights/version_000003", 3),
         api.get_weights_by_name("model.embed_tokens.weight", 4),
     ]
     if session:
@@ -159,3 +159,11 @@ def test_the_trainer_and_sglangs_own_join_meet_in_one_group(source):
     assert out.strip() == "[1.0, 2.0, 3.0, 4.0]", err
     assert server.returncode == 0, err
     assert group.new_name() != name, "a group made after a failure never reuses the old one's keys"
+
+
+def test_a_weight_version_is_our_int_and_sglangs_string_only_in_its_requests_and_answers():
+    """Issue 51: the version went int -> str -> int under seven names; it is the trainer's int everywhere but the
+    JSON SGLang reads and writes (its ``weight_version`` fields are strings, "default" before any update)."""
+    route, body = api.update_weights_from_disk("/w/version_000003", 3)
+    assert body["weight_version"] == "3"
+    assert [api.weight_version(v) for v in ("7", "default", None, 7)] == [7, 0, 0, 7]

@@ -188,9 +188,18 @@ def read_weight_rows(client, info: ServerInfo, name: str, truncate_size: int) ->
     return None if any(rows is None for rows in ranks) else ranks
 
 
-def read_weight_version(client) -> str:
+def weight_version(value) -> int:
+    """Our weight version (an int: the trainer's count of pushes) of one SGLang reports: a string everywhere in its
+    API (``"default"`` before any update, which is our 0). Requests send ``str(version)``; this reads it back."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+def read_weight_version(client) -> int:
     """The version of the weights a server holds now (``weight_version`` of ``GET /model_info``)."""
-    return str(client.get("/model_info").get("weight_version"))
+    return weight_version(client.get("/model_info").get("weight_version"))
 
 
 # -- request bodies, one builder per endpoint: (path, body) ------------------------------------------------
@@ -271,22 +280,22 @@ def destroy_weights_update_group(group_name: str) -> tuple[str, dict]:
 
 
 def update_weights_from_distributed(names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
-                                    flattened: bool, last: bool, version: str) -> tuple[str, dict]:
+                                    flattened: bool, last: bool, version: int) -> tuple[str, dict]:
     """One bucket; the cache is flushed and the version recorded with the last bucket only."""
     return "/update_weights_from_distributed", {
         "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": last,
-        "abort_all_requests": False, "weight_version": version if last else None,
+        "abort_all_requests": False, "weight_version": str(version) if last else None,
         "load_format": "flattened_bucket" if flattened else None}
 
 
-def update_weights_from_tensor(payloads: list[str], last: bool, version: str) -> tuple[str, dict]:
+def update_weights_from_tensor(payloads: list[str], last: bool, version: int) -> tuple[str, dict]:
     """``payloads``: one base64 string per tensor-parallel rank of the server (each rank reads its own)."""
     return "/update_weights_from_tensor", {"serialized_named_tensors": payloads, "flush_cache": last,
-                                           "abort_all_requests": False, "weight_version": version if last else None}
+                                           "abort_all_requests": False, "weight_version": str(version) if last else None}
 
 
-def update_weights_from_disk(model_path: str, version: str) -> tuple[str, dict]:
-    return "/update_weights_from_disk", {"model_path": model_path, "weight_version": version, "flush_cache": True,
+def update_weights_from_disk(model_path: str, version: int) -> tuple[str, dict]:
+    return "/update_weights_from_disk", {"model_path": model_path, "weight_version": str(version), "flush_cache": True,
                                          "abort_all_requests": False}
 
 

@@ -217,7 +217,7 @@ class SGLangEngine(RolloutEngine):
         todo, failures = part, 0
         while todo:
             # no token of this request is older; not needed where the answers carry per-token versions
-            version = None if client.url in self._spans else _version(api.read_weight_version(client))
+            version = None if client.url in self._spans else api.read_weight_version(client)
             rids = [uuid.uuid4().hex for _ in todo]
             request = api.generate([c.prompt + c.ids for c in todo],
                                    [{**c.params, "max_new_tokens": c.budget_left} for c in todo], rids)
@@ -265,9 +265,9 @@ class SGLangEngine(RolloutEngine):
                               "the server must return logprobs for every generated token (return_logprob).")
         c.ids += list(ids)
         c.logprobs += [float(p[0]) for p in pairs]
-        served = _version(meta.get("weight_version"))
+        served = api.weight_version(meta.get("weight_version"))
         if "weight_versions" in meta:  # 0.5.19+: the version of every token, by span
-            drew = [_version(s["version"]) for s in meta["weight_versions"] if s["end"] > s["start"]]
+            drew = [api.weight_version(s["version"]) for s in meta["weight_versions"] if s["end"] > s["start"]]
         else:
             drew = [v for v in (version, served) if v is not None] if ids else []
         if drew:
@@ -298,11 +298,3 @@ class SGLangEngine(RolloutEngine):
                                   finish_reason=[c.finish for c in completions], weight_version=first,
                                   weight_version_last=[max(c.last_version, f) for c, f in zip(completions, first)],
                                   pad_id=self.pad_id)
-
-
-def _version(value) -> int:
-    """SGLang reports weight_version as a string ("default" before any update); ours are integers."""
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return 0

@@ -31,10 +31,10 @@ class DiskWeightSender(SGLangSender):
         self.path, self.keep = Path(path), keep
         self._index: dict[str, str] = {}  # parameter name -> file, for the update being written
 
-    def _folder(self, version: str) -> Path:
-        return self.path / f"version_{int(version):06d}"
+    def _folder(self, version: int) -> Path:
+        return self.path / f"version_{version:06d}"
 
-    def _send(self, index: int, bucket, tensors: list[torch.Tensor], version: str) -> None:
+    def _send(self, index: int, bucket, tensors: list[torch.Tensor], version: int) -> None:
         from safetensors.torch import save_file
 
         folder = self._folder(version)
@@ -49,7 +49,7 @@ class DiskWeightSender(SGLangSender):
     def _open_update(self) -> None:
         """Nothing to pause while the files are written: the servers pause around the load alone (``_finish``)."""
 
-    def _finish(self, version: str) -> None:
+    def _finish(self, version: int) -> None:
         folder = self._folder(version)
         (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": self._index}))
         self._each(*api.pause_generation(self.pause_mode))

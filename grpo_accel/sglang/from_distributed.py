@@ -150,7 +150,7 @@ class DistributedWeightSender(SGLangSender):
                 f"{setting(self.names, 'master_port')}. Check that every server reaches that address and port, or "
                 f"raise {setting(self.names, 'timeout_s')}.")
 
-    def _send(self, index: int, bucket, tensors: list[torch.Tensor], version: str) -> None:
+    def _send(self, index: int, bucket, tensors: list[torch.Tensor], version: int) -> None:
         if self.group.group is None:
             raise WeightSyncError("no weight-update group: it could not be made again after the last failure.")
         for t, shape in zip(tensors, bucket.shapes):  # never send what was not announced

@@ -32,7 +32,7 @@ class TensorWeightSender(SGLangSender):
             raise RuntimeError("TensorWeightSender passes CUDA IPC handles and needs a GPU on the same node.")
         super().__init__(accelerator, model, urls, **kwargs)
 
-    def _send(self, index: int, bucket, tensors: list[torch.Tensor], version: str) -> None:
+    def _send(self, index: int, bucket, tensors: list[torch.Tensor], version: int) -> None:
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 

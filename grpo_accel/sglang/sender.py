@@ -128,9 +128,9 @@ class SGLangSender(WeightSender):
         start = time.perf_counter()
         error = None
         for attempt in range(1, self.max_attempts + 1):
-            error = self._push(str(version))
+            error = self._push(version)
             if self._all_agree(error is None):
-                error = self._verify(str(version))
+                error = self._verify(version)
                 if self._all_agree(error is None):
                     self.pushed = version
                     self.last_sync_s = time.perf_counter() - start
@@ -160,7 +160,7 @@ class SGLangSender(WeightSender):
 
     # -- one push ------------------------------------------------------------------------------------------
 
-    def _push(self, version: str) -> str | None:
+    def _push(self, version: int) -> str | None:
         """One full push; every rank walks every bucket (a collective under ZeRO-3). Rank 0's error, or None.
         Colocated servers take back their weights and CUDA graphs first and their KV cache once the weights are
         loaded, before they generate again."""
@@ -197,14 +197,14 @@ class SGLangSender(WeightSender):
                     client.post(*api.end_weight_update())
                     client.post(*api.begin_weight_update())
 
-    def _send(self, index: int, bucket, tensors: list[torch.Tensor], version: str) -> None:
+    def _send(self, index: int, bucket, tensors: list[torch.Tensor], version: int) -> None:
         """Send bucket ``index`` (its full tensors at the sync dtype; the sending rank only)."""
         raise NotImplementedError
 
     def _is_last(self, index: int) -> bool:
         return index == len(self.gather.buckets) - 1
 
-    def _finish(self, version: str) -> None:
+    def _finish(self, version: int) -> None:
         """Close the update session (the servers generate again once their memory is back)."""
         if self.uses_session:
             for client in self._session_clients():
@@ -240,7 +240,7 @@ class SGLangSender(WeightSender):
 
     # -- verification ----------------------------------------------------------------------------------------
 
-    def _verify(self, version: str) -> str | None:
+    def _verify(self, version: int) -> str | None:
         """Compare every server with the trainer after a push. Every rank gathers the checked parameters and,
         where a server needs the probe, runs its forward (collectives under ZeRO-3); rank 0 compares. The error
         text, or None."""
@@ -288,7 +288,7 @@ class SGLangSender(WeightSender):
         self.model.train(training)
         return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].cpu()
 
-    def _compare(self, version: str, expected: dict, probe: list[int], trainer_logprobs: torch.Tensor | None) -> None:
+    def _compare(self, version: int, expected: dict, probe: list[int], trainer_logprobs: torch.Tensor | None) -> None:
         for client, reader, info, by_name in zip(self.clients, self.readers, self.servers, self._by_name):
             if by_name:
                 self._compare_by_name(client, info, expected)
@@ -305,12 +305,12 @@ class SGLangSender(WeightSender):
                 if got.shape != want.shape or not torch.allclose(got.float(), want.reshape(got.shape), atol=1e-2):
                     raise WeightSyncError(f"{_where(info, rank)}: {name} differs from the trainer's after the update.")
 
-    def _compare_probe(self, client: HTTPClient, info: api.ServerInfo, rank: int, version: str, probe: list[int],
+    def _compare_probe(self, client: HTTPClient, info: api.ServerInfo, rank: int, version: int, probe: list[int],
                        trainer: torch.Tensor) -> None:
         where = _where(info, rank)
         answer = client.post(*api.prompt_logprobs(probe, rank if info.dp_ranks > 1 else None))
         meta = (answer[0] if isinstance(answer, list) else answer)["meta_info"]
-        if str(meta.get("weight_version")) != version:
+        if api.weight_version(meta.get("weight_version")) != version:
             raise WeightSyncError(f"{where} reports weight version {meta.get('weight_version')!r} after "
                                   f"version {version} was pushed.")
         served = torch.tensor([float(v[0]) for v in meta["input_token_logprobs"][1:]])  # the first has no logprob
