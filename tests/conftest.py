@@ -71,10 +71,10 @@ def qwen_dir(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="session")
 def servers(model_dir):
-    """The SGLang stand-ins (tests/sglang_standin.py) the tests share: one process per model and release (a start
+    """The SGLang stand-ins (tests/sglang_standin) the tests share: one process per model and release (a start
     costs ~3 s), started at the first test that asks."""
-    from sglang_source import VERSIONS
-    from standin import SharedServers
+    from sglang_standin.source import VERSIONS
+    from sglang_standin.processes import SharedServers
 
     shared = SharedServers()
     for version in VERSIONS:
@@ -87,7 +87,7 @@ def servers(model_dir):
 def fresh_server(servers, model_dir):
     """``fresh_server(version)``: the URL of the shared stand-in of that release, serving the tiny Llama with
     --deterministic, reset to its state at start (a start costs ~3 s; a reset nothing)."""
-    from standin import NEWEST
+    from sglang_standin.processes import NEWEST
 
     return lambda version=NEWEST: servers.get(model_dir, "--deterministic", version=version)
 

@@ -36,13 +36,13 @@ def short_turns(tok, tmp_path_factory):
 
 
 def test_episodes_on_sglang_send_each_turn_as_input_ids(tok, short_turns):
-    """Against the SGLang stand-in (tests/sglang_standin.py): each turn is a /generate with the conversation's
+    """Against the SGLang stand-in (tests/sglang_standin): each turn is a /generate with the conversation's
     ids; the server's logprobs of the model's tokens equal the trainer's over the finished episode, and seeds
     make episodes reproducible."""
     from transformers import AutoModelForCausalLM
 
     from grpo_accel.sglang.engine import SGLangEngine
-    from standin import standin_server
+    from sglang_standin.processes import standin_server
 
     with standin_server(short_turns, "--deterministic") as url:
         engine = SGLangEngine([url], tok, max_new_tokens=6, temperature=0.8)

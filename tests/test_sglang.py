@@ -1,4 +1,4 @@
-"""SGLang: the HTTP engine and the weight senders against tests/sglang_standin.py, a loopback server built from
+"""SGLang: the HTTP engine and the weight senders against tests/sglang_standin, a loopback server built from
 SGLang's own code and source (its request classes, auth decision, group join and session guards), for the oldest
 and newest supported release."""
 import hashlib
@@ -12,8 +12,8 @@ from grpo_accel.logprobs import sequence_logprobs
 from grpo_accel.recipe.build import SGLANG_NAMES
 from grpo_accel.sglang.engine import SGLangEngine
 from launching import free_port
-from sglang_source import VERSIONS
-from standin import NEWEST, control, fail_next, server_state
+from sglang_standin.source import VERSIONS
+from sglang_standin.processes import NEWEST, control, fail_next, server_state
 from trainer_utils import reset_accelerate_state
 
 

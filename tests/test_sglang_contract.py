@@ -1,6 +1,6 @@
 """grpo_accel's SGLang client against SGLang's own source, release by release (the ends of the supported range).
 
-The source is each release's wheel (tests/sglang_source.py): the request classes and the group join are SGLang's
+The source is each release's wheel (tests/sglang_standin/source.py): the request classes and the group join are SGLang's
 code, run here; the routes, auth levels and session guards are read from its files.
 """
 import subprocess
@@ -11,7 +11,7 @@ import torch
 
 from grpo_accel.sglang import api
 from launching import ROOT, free_port
-from sglang_source import VERSIONS, SGLangSource
+from sglang_standin.source import VERSIONS, SGLangSource
 
 
 @pytest.fixture(scope="module", params=VERSIONS)
@@ -127,7 +127,7 @@ def test_dp_attention_and_disk_updates_are_served_at_any_dp_size():
 JOINER = """
 import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, {tests!r})
-from sglang_source import SGLangSource
+from sglang_standin.source import SGLangSource
 pg = SGLangSource({version!r}).init_custom_process_group(backend="gloo", init_method="tcp://127.0.0.1:{port}",
                                                         world_size=2, rank=1, group_name={name!r})
 t = torch.empty(4)

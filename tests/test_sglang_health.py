@@ -11,8 +11,8 @@ import pytest
 from grpo_accel.http import HTTPClient, ServerError
 from grpo_accel.sglang.engine import SGLangEngine
 from launching import free_port
-from sglang_source import VERSIONS
-from standin import control, server_state
+from sglang_standin.source import VERSIONS
+from sglang_standin.processes import control, server_state
 from test_sglang_runs import assert_server_holds_checkpoint, sglang_args
 from test_sglang_scheduler import counts, distributed_sender, post_async
 
@@ -33,7 +33,7 @@ def test_the_standins_health_check_is_sglangs_one_token_generation(model_dir, se
     and no token counted as the clients'), 200 while busy (answered at the next batch result), 503 after
     SGLANG_HEALTH_CHECK_TIMEOUT while paused; with memory released and not paused, 0.5.9 holds it back (503) and
     0.5.23 runs it, on freed memory: the server dies."""
-    from standin import HEALTH_CHECK_TIMEOUT_S, StandIn
+    from sglang_standin.processes import HEALTH_CHECK_TIMEOUT_S, StandIn
 
     timeout = float(HEALTH_CHECK_TIMEOUT_S)
     for version in VERSIONS:

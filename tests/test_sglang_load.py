@@ -1,4 +1,4 @@
-"""SGLang under load, against the stand-in paced like a large model (tests/sglang_standin.py --decode-delay):
+"""SGLang under load, against the stand-in paced like a large model (tests/sglang_standin --decode-delay):
 weight pushes that land while requests are in flight (partial rollouts, both pause modes), context limits,
 requests sized for the work, a tensor-parallel server's ranks, dp attention, and a 2-process ZeRO-3 run that
 collects asynchronously."""
@@ -19,8 +19,8 @@ from grpo_accel.layout import BatchLayout
 from grpo_accel.logprobs import sequence_logprobs
 from grpo_accel.sglang.engine import SGLangEngine
 from launching import free_port, launch
-from sglang_source import VERSIONS
-from standin import NEWEST, control, fail_next, server_state
+from sglang_standin.source import VERSIONS
+from sglang_standin.processes import NEWEST, control, fail_next, server_state
 from trainer_utils import train_in_process
 
 
@@ -290,7 +290,7 @@ def test_servers_on_another_host_get_the_weights_with_no_address_set(tmp_path, m
     with two_hosts() as hosts:
         address = hosts.addresses[1]
         urls = [f"http://{address}:30000", f"http://{address}:30001"]
-        servers = [subprocess.Popen([*hosts.prefix(1), sys.executable, str(ROOT / "tests" / "sglang_standin.py"),
+        servers = [subprocess.Popen([*hosts.prefix(1), sys.executable, str(ROOT / "tests" / "sglang_standin"),
                                      "--host", address, "--port", url.rsplit(":", 1)[1], "--model", str(model_dir),
                                      "--sglang-version", version, "--deterministic", *flags],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

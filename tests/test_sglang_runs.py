@@ -1,4 +1,4 @@
-"""GRPO runs that sample from and sync weights to the SGLang stand-in (tests/sglang_standin.py): ZeRO-3 with and
+"""GRPO runs that sample from and sync weights to the SGLang stand-in (tests/sglang_standin): ZeRO-3 with and
 without LoRA, the disk path, a sync that keeps failing and its resume, an unreachable server, launch/sglang.sh.
 The helpers here (a run's arguments, the weights a run ends with) serve test_sglang_load.py too."""
 import json
@@ -10,8 +10,8 @@ import torch
 
 from grpo_accel.http import ServerError
 from launching import ROOT, TINY_FOLDER, free_port, launch
-from sglang_source import VERSIONS
-from standin import NEWEST, fail_next, server_state
+from sglang_standin.source import VERSIONS
+from sglang_standin.processes import NEWEST, fail_next, server_state
 from trainer_utils import train_in_process
 
 

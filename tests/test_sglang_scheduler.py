@@ -1,4 +1,4 @@
-"""SGLang as its scheduler behaves (tests/standin_scheduler.py): a KV pool that admits what it holds and queues the
+"""SGLang as its scheduler behaves (tests/sglang_standin/scheduler.py): a KV pool that admits what it holds and queues the
 rest, aborts that answer waiting requests with nothing, dp ranks that answer one by one, requests that time out,
 and colocated servers that die where SGLang dies; and the client and trainer making progress on all of it."""
 import json
@@ -13,8 +13,8 @@ import torch
 from grpo_accel.http import HTTPClient, ServerError
 from grpo_accel.sglang.engine import SGLangEngine
 from launching import free_port
-from sglang_source import VERSIONS
-from standin import NEWEST, control, fail_next, server_state
+from sglang_standin.source import VERSIONS
+from sglang_standin.processes import NEWEST, control, fail_next, server_state
 from test_sglang_runs import assert_server_holds_checkpoint, sglang_args
 from trainer_utils import train_in_process
 
@@ -210,7 +210,7 @@ def test_a_request_that_times_out_is_aborted_on_the_server_before_it_is_sent_aga
 def test_the_standin_dies_where_sglangs_scheduler_dies(model_dir):
     """A memory release while a request runs trips SGLang's assertion, a resume of a tag that is not released its
     KeyError (offload_tags.remove): the scheduler process raises and the server goes down with it."""
-    from standin import StandIn
+    from sglang_standin.processes import StandIn
 
     for calls in ([("/release_memory_occupation", {"tags": ["kv_cache"]})],
                   [("/release_memory_occupation", {"tags": ["kv_cache"]}),

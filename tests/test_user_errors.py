@@ -179,7 +179,7 @@ def test_sglang_requests_name_the_models_stop_ids(two_stop_model, tokenizer, ser
     from transformers import AutoModelForCausalLM
 
     from grpo_accel.sglang.engine import SGLangEngine
-    from standin import server_state
+    from sglang_standin.processes import server_state
 
     folder, stop = two_stop_model
     url = servers.get(folder, "--deterministic")

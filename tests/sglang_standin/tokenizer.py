@@ -1,5 +1,5 @@
-"""The stand-in's tokenizer manager and data-parallel controller (tests/sglang_standin.py): the /generate path in
-front of the dp ranks' schedulers (standin_scheduler.py), pause and continue, aborts by rid, and what an answer
+"""The stand-in's tokenizer manager and data-parallel controller (tests/sglang_standin): the /generate path in
+front of the dp ranks' schedulers (scheduler.py), pause and continue, aborts by rid, and what an answer
 says, each re-implemented from the SGLang source it cites (0.5.9's srt/managers/tokenizer_manager.py and
 data_parallel_controller.py; where 0.5.23 differs, its file is named)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import uuid
 
 import torch
 
-from standin_scheduler import PAUSE_ABORT_POLL_S, HTTPError, Req
+from sglang_standin.scheduler import PAUSE_ABORT_POLL_S, HTTPError, Req
 
 HEALTH_POLL_S = 1.0  # health_generate looks at last_receive_tstamp once a second (``await asyncio.sleep(1)``)
 HEALTH_CHECK_RID = "HEALTH_CHECK"  # is_health_check_generate_req: a rid that starts with it

@@ -1,5 +1,5 @@
-"""The stand-in's schedulers (tests/sglang_standin.py): one per dp rank, with its KV pool, running batch and
-waiting queue, behind the tokenizer manager and data-parallel controller of standin_tokenizer.py; each part
+"""The stand-in's schedulers (tests/sglang_standin): one per dp rank, with its KV pool, running batch and
+waiting queue, behind the tokenizer manager and data-parallel controller of tokenizer.py; each part
 re-implemented from the SGLang source it cites (0.5.9's files; where 0.5.23 differs, its file is named).
 
 - Admission (srt/managers/scheduler.py ``get_new_batch_prefill``, srt/managers/schedule_policy.py
@@ -30,7 +30,7 @@ re-implemented from the SGLang source it cites (0.5.9's files; where 0.5.23 diff
   model, pool and queues (``--max-total-tokens`` is each rank's pool).
 - Health checks (srt/managers/scheduler.py ``process_input_requests``, ``maybe_send_health_check_signal``): held
   back while the rank is busy (0.5.9: or has memory released) and answered at its next batch result, else run as
-  a request of their own (standin_tokenizer.py ``Scheduling.health``).
+  a request of their own (tokenizer.py ``Scheduling.health``).
 - 0.5.23's per-token weight versions (srt/utils/weight_versions.py, run from that file): a weight version change
   records, for every live request with output, how many tokens the old version drew; each answer carries the spans.
 """
@@ -40,7 +40,7 @@ import os
 import threading
 import time
 
-from standin_kv import RunningBatch
+from sglang_standin.kv import RunningBatch
 
 CLIP_MAX_NEW_TOKENS = 4096  # srt/managers/schedule_policy.py (SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION)
 INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO_FACTOR, NEW_TOKEN_RATIO_DECAY_STEPS = 0.7, 0.14, 600  # srt/environ.py

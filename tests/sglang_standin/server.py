@@ -1,13 +1,13 @@
 """A loopback stand-in for an SGLang server of a given release, built from that release's own code and source.
 
-    python tests/sglang_standin.py --port 30000 --model DIR --sglang-version 0.5.23 [--api-key KEY]
+    python tests/sglang_standin --port 30000 --model DIR --sglang-version 0.5.23 [--api-key KEY]
         [--admin-api-key KEY] [--deterministic] [--dp-size N] [--enable-dp-attention] [--pp-size N]
         [--tp-size N] [--enable-memory-saver] [--enable-weights-cpu-backup] [--context-length N]
         [--max-total-tokens N] [--max-running-requests N] [--schedule-conservativeness F] [--random-seed N]
         [--decode-delay S] [--kv-cache] [--startup-delay S] [--host ADDR]
 
 A real SGLang server needs a GPU; this one serves a transformers model on CPU and takes from SGLang's source
-(tests/sglang_source.py) everything that decides whether the trainer and a real server agree:
+(tests/sglang_standin/source.py) everything that decides whether the trainer and a real server agree:
 
 - routes, methods and auth levels: srt/entrypoints/http_server.py; the auth decision itself is SGLang's
   ``decide_request_auth`` (srt/utils/auth.py); a path the release does not have is a 404;
@@ -16,7 +16,7 @@ A real SGLang server needs a GPU; this one serves a transformers model on CPU an
   ``SamplingParams.__init__``'s parameters before). Unlike SGLang it also refuses fields the request classes do
   not have (SGLang ignores them), so that a misspelt field fails a test instead of being dropped;
 - the weight-update group join, SGLang's ``init_custom_process_group``, the flattened-bucket layout, the session
-  guards, ``/get_weights_by_name``, memory release and resume: standin_weights.py, each cited there;
+  guards, ``/get_weights_by_name``, memory release and resume: weights.py, each cited there;
 - 0.5.23's per-token weight versions: srt/utils/weight_versions.py, run as SGLang's scheduler and tokenizer
   manager call it;
 - ``sampling_seed`` is honoured only with ``--deterministic`` (SGLang's ``--enable-deterministic-inference``,
@@ -27,13 +27,13 @@ A real SGLang server needs a GPU; this one serves a transformers model on CPU an
   ``max_position_embeddings`` unless ``--context-length`` (as ``ModelConfig.context_len``), reported at
   ``GET /v1/models`` as ``max_model_len`` (``available_models``, srt/entrypoints/http_server.py);
 - ``/health``: SGLang's ``health_generate`` (srt/entrypoints/http_server.py), a one-token generation run as its
-  tokenizer manager and scheduler run it (standin_tokenizer.py ``Scheduling.health``);
+  tokenizer manager and scheduler run it (tokenizer.py ``Scheduling.health``);
 - ``/server_info``: the server args (0.5.23 reports ``--dp-size N --enable-dp-attention`` as ``attn_dp_size`` N,
   srt/arg_groups/parallel_hook.py) and the scheduler's init info (``max_total_num_tokens``, ``max_req_input_len``).
 
 Re-implemented from the source, cited where they are: the scheduler of each dp rank with its KV pool, waiting
-queue, retraction, aborts, pause modes and length limits (standin_scheduler.py), the tokenizer manager and the
-data-parallel controller in front of them (standin_tokenizer.py), and the weight updates (standin_weights.py).
+queue, retraction, aborts, pause modes and length limits (scheduler.py), the tokenizer manager and the
+data-parallel controller in front of them (tokenizer.py), and the weight updates (weights.py).
 Where SGLang's scheduler raises (a memory release while requests run, a resume of a tag not released, freed
 memory touched) the stand-in dies, as the server does.
 
@@ -56,20 +56,17 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sglang_source import SGLangSource  # noqa: E402
-from standin_scheduler import DPRank, HTTPError, bad_request  # noqa: E402
-from standin_tokenizer import Scheduling  # noqa: E402
-from standin_weights import TPRank, WeightUpdates, digest  # noqa: E402
+from sglang_standin.source import SGLangSource
+from sglang_standin.scheduler import DPRank, HTTPError, bad_request
+from sglang_standin.tokenizer import Scheduling
+from sglang_standin.weights import TPRank, WeightUpdates, digest
 
 IMPLEMENTED = {"/health", "/health_generate", "/server_info", "/get_server_info", "/model_info", "/get_model_info",
                "/v1/models", "/generate", "/flush_cache", "/pause_generation", "/continue_generation",
@@ -79,7 +76,7 @@ IMPLEMENTED = {"/health", "/health_generate", "/server_info", "/get_server_info"
 
 
 class Server(Scheduling, WeightUpdates):
-    """An SGLang server of one release: its scheduler (standin_scheduler.py) and weight updates (standin_weights.py)."""
+    """An SGLang server of one release: its scheduler (scheduler.py) and weight updates (weights.py)."""
 
     def __init__(self, source: SGLangSource, args) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -374,7 +371,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tp-size", type=int, default=1, help="ranks 2..N are processes of their own")
     parser.add_argument("--context-length", type=int, help="default: the model's max_position_embeddings")
     parser.add_argument("--decode-delay", type=float, default=0.0, help="seconds per decode step at least")
-    parser.add_argument("--kv-cache", action="store_true", help="decode on a KV cache (standin_kv.py)")
+    parser.add_argument("--kv-cache", action="store_true", help="decode on a KV cache (kv.py)")
     parser.add_argument("--max-total-tokens", type=int, default=16384, help="each dp rank's KV pool, in tokens")
     parser.add_argument("--max-running-requests", type=int, help="default: half the pool, at most 2048-4096")
     parser.add_argument("--schedule-conservativeness", type=float, default=1.0)

@@ -1,4 +1,4 @@
-"""The stand-in's weight updates (tests/sglang_standin.py): the weight-update group SGLang's own code joins, the
+"""The stand-in's weight updates (tests/sglang_standin): the weight-update group SGLang's own code joins, the
 tensor-parallel ranks as processes, the session guards, distributed and disk loads, memory release and resume,
 ``/get_weights_by_name``; re-implemented from the SGLang source each part cites, or run from it."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from sglang_source import SGLangSource
-from standin_scheduler import HTTPError, die
+from sglang_standin.source import SGLangSource
+from sglang_standin.scheduler import HTTPError, die
 
 PARTIAL = "The full weights of the ModelRunner are partially updated. Please discard the whole weights."
 
