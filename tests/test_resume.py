@@ -139,30 +139,33 @@ def test_second_signal_exits_at_once_and_keeps_earlier_checkpoints(tmp_path):
         Checkpoint.verify(path, num_processes=2, zero_stage=2, signature=signature)
 
 
+def refused_resume(tmp_path, zero2_run, never, settings: list[str], error: type, match: str) -> str:
+    """A copy of the 2-process ZeRO-2 run resumed in-process with ``settings``: refused with ``error`` before
+    anything is built (the message, returned), the run folder untouched."""
+    run = tmp_path / "run"
+    shutil.copytree(zero2_run, run)
+    before = contents(run)
+    with pytest.raises(error, match=match) as err:
+        train_in_process([f"output_dir={run}", f"trainer.total_frames={8 * BATCH}", *BASE, never,
+                          "checkpoint.resume=auto", *settings])
+    assert contents(run) == before
+    return str(err.value)
+
+
 def test_resume_with_another_process_count_says_how(tmp_path, straight, never):
     """A 2-process ZeRO-2 checkpoint resumed by one process (in-process: the check is the run's own)."""
-    run = tmp_path / "run"
-    shutil.copytree(straight("zero2.yaml"), run)
-    before = contents(run)
-    with pytest.raises(CheckpointError, match="was written by 2 processes, this run has 1") as err:
-        train_in_process([f"output_dir={run}", f"trainer.total_frames={8 * BATCH}", *BASE, never,
-                          "checkpoint.resume=auto"])
-    assert "grpo-accel export" in str(err.value)
-    assert contents(run) == before
+    message = refused_resume(tmp_path, straight("zero2.yaml"), never, [], CheckpointError,
+                             "was written by 2 processes, this run has 1")
+    assert "grpo-accel export" in message
 
 
 def test_resume_with_other_settings_names_them(tmp_path, straight, never):
     """launch/train.py's start point: refused before anything is built, the run folder untouched."""
     from grpo_accel.recipe.checks import ConfigError
 
-    run = tmp_path / "run"
-    shutil.copytree(straight("zero2.yaml"), run)
-    before = contents(run)
-    with pytest.raises(ConfigError, match="was trained with other settings") as err:
-        train_in_process([f"output_dir={run}", f"trainer.total_frames={8 * BATCH}", *BASE, never,
-                          "checkpoint.resume=auto", "rollout.group_size=4", "model.hidden_size=32"])
-    assert "model.hidden_size: 64 -> 32" in str(err.value) and "rollout.group_size: 8 -> 4" in str(err.value)
-    assert contents(run) == before
+    message = refused_resume(tmp_path, straight("zero2.yaml"), never, ["rollout.group_size=4", "model.hidden_size=32"],
+                             ConfigError, "was trained with other settings")
+    assert "model.hidden_size: 64 -> 32" in message and "rollout.group_size: 8 -> 4" in message
 
 
 def test_a_fresh_run_never_lands_on_another_runs_outputs(tmp_path, caplog):
