@@ -12,7 +12,9 @@ over a bare forward/backward/step loop on the same micro-batches in the same run
 accelerate config; ``--items`` adds each speed item before/after (``launch/bench/bench_items.py``).
 
 ``--loop sync async async+worker`` instead times whole ``GRPOTrainer`` iterations (collect, score, train, push)
-of each variant, alternating the variants over ``--rounds`` in one process (one process only):
+of each variant, alternating the variants over ``--rounds`` in one process (one process only). Every trainer here,
+the phases' included, is the one ``launch/train.py`` builds from a config (``recipe.build.build_trainer``); only
+the reference the trainer is measured against, ``BareLoop``, is written by hand, being the loop without the trainer:
 
     python launch/bench/bench.py --size tiny --loop sync async+worker --prompts 2 --group 4 --kl-coef 0.04 --lr 1e-4
 
@@ -35,7 +37,6 @@ import torch
 from bench_items import items_table, measure_items, timed  # this folder is on the path: run as a script
 
 from grpo_accel import batch
-from grpo_accel.layout import BatchLayout
 from grpo_accel.embedded.decode import DECODERS
 
 SIZES = {  # hidden, layers, heads, intermediate: built-in Llama sizes (random weights); "tiny": build_tiny_qwen2
@@ -102,21 +103,14 @@ class BareLoop:
 
 def run(args) -> dict | None:
     """Measure; the result on the main process, None on the others."""
-    from grpo_accel.distributed.deepspeed_files import preflight
-    from grpo_accel.distributed import full_numel, launch_world_size, make_accelerator, zero_stage
-    from grpo_accel.loss import GRPOLoss
-    from grpo_accel.rewards import RewardSet, answer_match, format_match
-    from grpo_accel.rollout.collector import GRPOCollector, score_rollout
-    from grpo_accel.embedded.engine import EmbeddedEngine
+    from grpo_accel.distributed import full_numel, launch_world_size, zero_stage
+    from grpo_accel.recipe.build import build_trainer, close_parts
+    from grpo_accel.rollout.collector import score_rollout
     from grpo_accel.runtime import configure_threads, keep_freed_memory
-    from grpo_accel.tasks.addition import addition_rows
-    from grpo_accel.trainer import GRPOTrainer
-    from grpo_accel.embedded.sender import EmbeddedWeightSync
 
     if (args.items or args.loop) and launch_world_size() > 1:
         raise SystemExit(f"launch/bench/bench.py: {'--items' if args.items else '--loop'} measures on one process; run it "
                          "without accelerate launch or with accelerate_configs/single_process.yaml.")
-    preflight()
     threads = configure_threads()
     keep_freed_memory()  # as launch/train.py does
     dtype = getattr(torch, args.dtype)
@@ -124,26 +118,29 @@ def run(args) -> dict | None:
     model = model.to(dtype)
     n_params = sum(full_numel(p) for p in model.parameters())
     hidden = model.config.hidden_size
-    bare_model = copy.deepcopy(model)  # before prepare: ZeRO-3 partitions the trainer's copy in place
-    accelerator = make_accelerator()
-    device = accelerator.device
-    rows = addition_rows(49)[0]
-    rewards = RewardSet({"answer_match": answer_match, "format_match": format_match})
+    folder = tempfile.mkdtemp(prefix="bench-model-")  # every trainer's model.name_or_path: the same weights
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     if args.loop:
         return {"size": args.model or args.size, "parameters": n_params, "threads": threads, "decoder": args.decoder,
                 "prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens,
                 "kl_coef": args.kl_coef, "lr": args.lr, "steps": args.steps, "rounds": args.rounds,
-                "loop": loop(args, model, tokenizer, rows, rewards, accelerator)}
-    engine = EmbeddedEngine(model, tokenizer, max_new_tokens=args.max_new_tokens, decoder=args.decoder)
+                "loop": loop(args, folder)}  # (the folder: a temporary one, as every run's below)
+    # The trainer launch/train.py builds, without its extras; the phases are called on its parts one by one.
+    out = tempfile.mkdtemp(prefix="bench-run-")
+    trainer = build_trainer(_config(args, folder, out, [
+        f"model.dtype={args.dtype}", f"loss.packing={str(args.packing).lower()}", f"trainer.total_frames={10**9}",
+        *LOOP_VARIANTS["sync"]]))
+    accelerator, collector = trainer.accelerator, trainer.collector
+    engine, rows, rewards = collector.engine, collector.rows, collector.rewards
     engine.settings.min_new_tokens = args.max_new_tokens if args.fixed_length else 0
-    collector = GRPOCollector(engine, tokenizer, rows, rewards, rank=accelerator.process_index,
-                              layout=BatchLayout(args.prompts, args.group, accelerator.num_processes))
-    loss = GRPOLoss(model, packing=args.packing)
-    trainer = GRPOTrainer(collector=collector, total_frames=10**9, loss_module=loss,
-                          optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True), batch_size=args.micro_batch,
-                          weight_sync_sender=EmbeddedWeightSync(engine), empty_replay_buffer_on_weight_update=True,
-                          accelerator=accelerator)
-    bare = BareLoop(accelerator, bare_model, torch.optim.AdamW(bare_model.parameters(), lr=1e-5, fused=True))
+    device = accelerator.device
+    # The reference: a bare forward/backward/step loop on the same micro-batches, written here by hand because it
+    # is what the trainer is measured against (no collector, replay buffer, hooks nor logging).
+    from transformers import AutoModelForCausalLM
+
+    bare_model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype)
+    bare = BareLoop(accelerator, bare_model, torch.optim.AdamW(bare_model.parameters(), lr=args.lr, fused=True))
     phases: dict[str, list[float]] = {k: [] for k in ("generate", "reward", "logprob_pass", "train", "bare_train")}
     tokens = {"generated": [], "trained": []}
     for step in range(args.warmup + args.steps):
@@ -188,10 +185,12 @@ def run(args) -> dict | None:
         "peak_memory_mb_per_process": _peak_memory_per_process(accelerator, device),
     }
     if args.items:
-
         items = measure_items(trainer.unwrapped_loss.policy, engine, prompts, args.group, td, median,
                               device, threads)
         result["items"] = [it.to_json() for it in items]
+    close_parts(trainer)
+    for made in (out, folder):
+        shutil.rmtree(made, ignore_errors=True)
     return result if accelerator.is_main_process else None
 
 
@@ -211,13 +210,22 @@ def _tokenizer_and_model(args):
     return tokenizer, build_tiny_model(tokenizer, TinyModelSpec(hidden, layers, heads, inter, max_positions=256), seed=0)
 
 
-LOOP_VARIANTS = ("sync", "async", "async+worker", "launcher")
-"""async: trainer.async_collection; +worker: rollout.embedded_worker; launcher: the trainer ``launch/train.py``
-builds from its config (``grpo_accel.recipe.build.build_trainer``, every other setting default: TensorBoard,
+LOOP_VARIANTS = {
+    "sync": ["trainer.report_to=[]", "trainer.progress_bar=false", "trainer.log_samples=0",
+             "checkpoint.interval_frames=null"],
+    "async": ["trainer.report_to=[]", "trainer.progress_bar=false", "trainer.log_samples=0",
+              "checkpoint.interval_frames=null", "trainer.async_collection=true"],
+    "async+worker": ["trainer.report_to=[]", "trainer.progress_bar=false", "trainer.log_samples=0",
+                     "checkpoint.interval_frames=null", "trainer.async_collection=true", "rollout.embedded_worker=true"],
+    "launcher": [],
+}
+"""Each variant's settings on the loop's work, every trainer built by ``launch/train.py``'s builder
+(``grpo_accel.recipe.build.build_trainer``): sync, async (``trainer.async_collection``) and async+worker
+(``rollout.embedded_worker``) without the launcher's extras; launcher with every other setting default (TensorBoard,
 progress, samples, checkpoints), on the same work as sync."""
 
 
-def loop(args, model, tokenizer, rows: list[dict], rewards, accelerator) -> dict[str, dict]:
+def loop(args, folder: str) -> dict[str, dict]:
     """Whole GRPOTrainer iterations per variant: each round runs every variant for ``warmup + steps`` iterations
     from the same initial weights and seed; the step time is the wall time between iteration ends (the wait for
     a background batch included). Returns per variant: median step, generation and optimisation times, mean
@@ -225,15 +233,9 @@ def loop(args, model, tokenizer, rows: list[dict], rewards, accelerator) -> dict
     times: dict[str, dict[str, list[float]]] = {
         v: {"step": [], "generate": [], "optimise": [], "tokens": [], "first": []} for v in args.loop}
     threads = torch.get_num_threads()
-    folder = tempfile.mkdtemp(prefix="bench-model-")  # the launcher's model.name_or_path: the same weights
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
     for _ in range(args.rounds):
         for variant in args.loop:
-            if variant == "launcher":
-                trainer, close = _launcher_trainer(args, folder)
-            else:
-                trainer, close = _loop_trainer(args, variant, model, tokenizer, rows, rewards, accelerator)
+            trainer, close = _loop_trainer(args, variant, folder)
             ends: list[float] = []
             trainer.register_op("post_iteration", lambda t: ends.append(time.perf_counter()), "bench_step_end")
             start = time.perf_counter()
@@ -256,46 +258,26 @@ def loop(args, model, tokenizer, rows: list[dict], rewards, accelerator) -> dict
                 "measured_steps": len(t["step"])} for v, t in times.items()}
 
 
-def _loop_trainer(args, variant: str, model, tokenizer, rows, rewards, accelerator):
-    from grpo_accel.loss import GRPOLoss
-    from grpo_accel.recipe.schema import LossConfig, OptimConfig
-    from grpo_accel.rollout.collector import GRPOCollector
-    from grpo_accel.embedded.engine import EmbeddedEngine
-    from grpo_accel.trainer import GRPOTrainer
-    from grpo_accel.embedded.sender import EmbeddedWeightSync
-
-    optim, clip = OptimConfig(), LossConfig()  # launch/train.py's AdamW and clip range: the launcher row's
-    policy = copy.deepcopy(model)
-    asynchronous = variant != "sync"
-    engine = EmbeddedEngine(copy.deepcopy(policy) if asynchronous else policy, tokenizer,
-                            max_new_tokens=args.max_new_tokens, decoder=args.decoder, worker=variant == "async+worker")
-    collector = GRPOCollector(engine, tokenizer, rows, rewards, layout=BatchLayout(args.prompts, args.group))
-    loss = GRPOLoss(policy, copy.deepcopy(model) if args.kl_coef else None, kl_coef=args.kl_coef,
-                    clip_epsilon=(clip.clip_eps_low, clip.clip_eps_high))
-    trainer = GRPOTrainer(
-        collector=collector, total_frames=(args.warmup + args.steps + 1) * args.prompts * args.group, loss_module=loss,
-        optimizer=torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=tuple(optim.betas),
-                                    weight_decay=optim.weight_decay, fused=True), batch_size=args.micro_batch,
-        weight_sync_sender=EmbeddedWeightSync(engine, source=policy if asynchronous else None),
-        empty_replay_buffer_on_weight_update=True, async_collection=asynchronous, log_timings=True, seed=0,
-        accelerator=accelerator, log_samples=0)
-    return trainer, engine.close
-
-
-def _launcher_trainer(args, folder: str):
-    """The trainer of ``launch/train.py`` for the loop's work, with a fresh run folder; and what closes it."""
-    from grpo_accel.recipe.build import build_trainer, close_parts
+def _config(args, folder: str, out: str, settings: list[str]):
+    """The config of the benchmark's work: the saved model, the built-in addition task, its batch and lengths."""
     from grpo_accel.recipe.loading import load_config
 
-    out = tempfile.mkdtemp(prefix="bench-run-")
-    frames = (args.warmup + args.steps + 1) * args.prompts * args.group
-    cfg = load_config(None, [
+    return load_config(None, [
         f"model.name_or_path={folder}", "data.max_operand=49", f"rollout.prompts_per_batch={args.prompts}",
         f"rollout.group_size={args.group}", f"rollout.max_new_tokens={args.max_new_tokens}",
         f"rollout.decoder={args.decoder}", f"loss.kl_coef={args.kl_coef}", f"optim.lr={args.lr}",
-        f"trainer.micro_batch_completions={args.micro_batch}", f"trainer.total_frames={frames}",
-        "trainer.log_timings=true", f"output_dir={out}"])
-    trainer = build_trainer(cfg)
+        f"trainer.micro_batch_completions={args.micro_batch}", "trainer.log_timings=true", f"output_dir={out}",
+        *settings])
+
+
+def _loop_trainer(args, variant: str, folder: str):
+    """The trainer ``launch/train.py`` builds for the loop's work with ``variant``'s settings, in a fresh run folder;
+    and what closes it."""
+    from grpo_accel.recipe.build import build_trainer, close_parts
+
+    out = tempfile.mkdtemp(prefix="bench-run-")
+    frames = (args.warmup + args.steps + 1) * args.prompts * args.group
+    trainer = build_trainer(_config(args, folder, out, [f"trainer.total_frames={frames}", *LOOP_VARIANTS[variant]]))
 
     def close() -> None:  # as launch/train.py does after train()
         close_parts(trainer)
@@ -367,8 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loop", nargs="+", choices=LOOP_VARIANTS,
                         help="time whole trainer iterations of these variants instead of the phases")
     parser.add_argument("--rounds", type=int, default=1, help="--loop: alternate the variants this many times")
-    parser.add_argument("--kl-coef", type=float, default=0.0, help="--loop: KL weight (> 0 adds the reference pass)")
-    parser.add_argument("--lr", type=float, default=1e-5, help="--loop: AdamW learning rate")
+    parser.add_argument("--kl-coef", type=float, default=0.0, help="KL weight (> 0 adds the reference pass)")
+    parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate")
     parser.add_argument("--out", help="write the result as JSON here")
     args = parser.parse_args(argv)
     result = run(args)
