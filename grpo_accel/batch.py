@@ -3,7 +3,8 @@
 The rollout TensorDict: its keys, shapes and padding rules, defined once.
 
 A rollout of ``B`` prompts x ``G`` completions is a TensorDict with batch size ``[N] = [B*G]``; the G
-completions of a prompt are contiguous (rows ``g*G .. g*G+G-1`` share ``group_id``).
+completions of a prompt are contiguous: rows ``g*G .. g*G+G-1`` are the group of prompt ``g`` (the one record of
+group membership; micro-batches of the replay buffer mix groups, and the loss finds equal prompts by their tokens).
 
 | key               | shape   | dtype   | meaning                                                          |
 |-------------------|---------|---------|------------------------------------------------------------------|
@@ -17,7 +18,6 @@ completions of a prompt are contiguous (rows ``g*G .. g*G+G-1`` share ``group_id
 | weight_version    | [N]     | int64   | oldest version of the weights that generated a token of the row  |
 | weight_version_last | [N]   | int64   | newest such version (> weight_version: a partial rollout, pushed |
 |                   |         |         | to while it was generated; each token keeps its engine logprob)  |
-| group_id          | [N]     | int64   | index of the prompt in the collector's stream                    |
 | rewards           | [N]     | float32 | sub-TensorDict: one entry per reward function (unweighted)       |
 | reward            | [N]     | float32 | weighted sum of ``rewards``                                      |
 | advantages        | [N]     | float32 | group-relative advantage                                         |
@@ -46,7 +46,6 @@ ENGINE_LOGPROBS = "engine_logprobs"
 FINISH_REASON = "finish_reason"
 WEIGHT_VERSION = "weight_version"
 WEIGHT_VERSION_LAST = "weight_version_last"
-GROUP_ID = "group_id"
 REWARDS = "rewards"
 REWARD = "reward"
 ADVANTAGES = "advantages"

@@ -25,11 +25,18 @@ def _collector(tokenizer, model, rows=ROWS, *, prompts_per_batch=4, group_size=3
     return GRPOCollector(engine, tokenizer, rows, rewards, layout=layout, **{"seed": 0} | kw)
 
 
+def prompts_of(td, group_size: int = 3) -> list[tuple[int, ...]]:
+    """Each group's prompt tokens, in batch order."""
+    rows = slice(None, None, group_size)
+    return [tuple(ids[mask.bool()].tolist()) for ids, mask in zip(td[batch.PROMPT_IDS][rows], td[batch.PROMPT_MASK][rows])]
+
+
 def test_collect_builds_a_scored_grouped_rollout(tokenizer, tiny_model):
     torch.manual_seed(0)
     td = _collector(tokenizer, tiny_model).collect()
     assert td.shape == (12,)
-    assert td[batch.GROUP_ID].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    groups = td[batch.PROMPT_IDS].view(4, 3, -1)
+    assert (groups == groups[:, :1]).all() and len({tuple(g[0].tolist()) for g in groups}) == 4, "G rows a prompt"
     rewards = td[batch.REWARD].view(4, 3)
     adv = td[batch.ADVANTAGES].view(4, 3)
     torch.testing.assert_close(adv.sum(-1), torch.zeros(4), atol=1e-5, rtol=0)  # centred per group
@@ -58,10 +65,6 @@ def test_dataset_fields_reach_reward_functions(tokenizer, tiny_model):
 
 
 def test_epochs_visit_every_row_and_state_dict_resumes(tokenizer, tiny_model):
-    def prompts_of(td):  # each group's prompt tokens, in batch order
-        g = c.group_size
-        return [tuple(ids[mask.bool()].tolist()) for ids, mask in zip(td[batch.PROMPT_IDS][::g], td[batch.PROMPT_MASK][::g])]
-
     c = _collector(tokenizer, tiny_model)
     first = [prompts_of(c.collect()) for _ in range(3)]  # 12 prompts: the first 9 are one pass
     assert sorted(sum(first, [])[:9]) == sorted(tuple(ids) for ids in c.prompts.ids), "one pass visits every row once"
@@ -76,7 +79,8 @@ def test_processes_take_disjoint_slices_of_the_same_global_batch(tokenizer, tiny
     ranks = [_collector(tokenizer, tiny_model, rank=r, processes=2) for r in range(2)]
     tds = [c.collect() for c in ranks]
     assert [td.shape[0] for td in tds] == [6, 6]
-    assert tds[0][batch.GROUP_ID].unique().tolist() == [0, 1] and tds[1][batch.GROUP_ID].unique().tolist() == [2, 3]
+    whole = prompts_of(_collector(tokenizer, tiny_model).collect())  # one process's global batch of 4 prompts
+    assert prompts_of(tds[0]) == whole[:2] and prompts_of(tds[1]) == whole[2:]
     with pytest.raises(ValueError, match="multiple of the 3 processes"):
         _collector(tokenizer, tiny_model, processes=3)
 

@@ -281,7 +281,8 @@ def test_environment_tokens_reach_no_gradient_and_no_token_count(tok):
 def test_the_g_episodes_of_a_prompt_are_its_group_and_rewards_see_the_episode(tok):
     _, collector, td = episode_rollout(tok)
     torch.testing.assert_close(td[batch.ADVANTAGES], group_advantages(td[batch.REWARD], 2))
-    assert (td[batch.GROUP_ID].view(3, 2) == td[batch.GROUP_ID].view(3, 2)[:, :1]).all()
+    prompts = td[batch.PROMPT_IDS].view(3, 2, -1)
+    assert (prompts == prompts[:, :1]).all(), "a prompt's G episodes are contiguous"
     answered = td[batch.EPISODE]["tool_calls"].float() * 0.1  # Countdown's per-turn term, summed
     torch.testing.assert_close(td[batch.REWARDS, "env_reward"], answered)
     assert (td[batch.REWARDS, "spy"] == 2 * td[batch.EPISODE]["turns"]).all()  # user + turns + answers

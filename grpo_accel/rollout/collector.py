@@ -289,7 +289,6 @@ class GRPOCollector(Collector):
         td[batch.ADVANTAGES] = group_advantages(
             td[batch.REWARD], self.group_size, scale_by_std=self.scale_advantages, leave_one_out=self.leave_one_out
         )
-        td[batch.GROUP_ID] = torch.tensor(group_ids).repeat_interleave(self.group_size)
         self.batches += 1
         return td
 
