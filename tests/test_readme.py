@@ -14,6 +14,7 @@ from launching import README_RUNS_ELSEWHERE, readme_commands, run_as_written
 
 ELSEWHERE = {  # how a command starts -> why it does not run in this suite, and what covers it instead
     "bash launch/setup.sh && .venv/bin/python -m pytest": "the test suite itself (what .ci/run runs)",
+    "rm -rf /tmp/ci && git clone": "the test suite from a fresh clone: what CI runs",
     "MAIN_ADDR=": "needs a second machine; tests/test_distributed.py runs launch/multinode.sh on this one",
     "sbatch ": "needs SLURM; tests/test_distributed.py runs launch/slurm.sbatch with sbatch-less shims",
     "MODEL=": "needs GPUs for SGLang servers; tests/test_sglang_runs.py runs launch/sglang.sh with DRY_RUN",
@@ -50,7 +51,8 @@ ELSEWHERE = {  # how a command starts -> why it does not run in this suite, and 
     "launch/configs/smollm2_calculator.yaml": "about 10 minutes; tests/test_episode_runs.py runs the recipe's path on the "
         "real model at a tiny scale",
 }
-TRAINS = re.compile(r"accelerate launch --config_file accelerate_configs/\w+\.yaml launch/train\.py$")
+TRAINS = re.compile(r"accelerate launch --config_file accelerate_configs/\w+\.yaml launch/train\.py( [\w.]+=\S+)*$")
+"""A training command, bare or with key=value settings: this module runs it small."""
 
 
 def runnable() -> list[str]:
