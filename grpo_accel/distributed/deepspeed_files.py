@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from grpo_accel.distributed.setup import deepspeed_launched, resolve_deepspeed_file
+from grpo_accel.distributed.accelerator import deepspeed_launched, resolve_deepspeed_file
 from grpo_accel.errors import UserError
 
 OFFLOAD_KEYS = ("offload_optimizer", "offload_param")
