@@ -211,9 +211,9 @@ class GRPOLoss(LossModule):
             padded ones, and a model that does not keep packed rows apart is refused with an error.
         mask_truncated: leave completions cut by the length limit out of the loss (:func:`without_truncated`).
         shared_prompts: run a group's prompt once for several of its completions (one row per prompt and k of
-            its completions under a 4-D mask, k chosen per micro-batch by cost, see :mod:`grpo_accel.loss.paths``). On first
-            use with each model the shared logprobs are compared to the padded ones; a model that differs,
-            fails, or takes no 4-D mask of full attention runs padded. Ignored with ``packing``.
+            its completions under a 4-D mask, k chosen per micro-batch by cost, see :mod:`grpo_accel.loss.paths`).
+            On first use with each model the shared logprobs are compared to the padded ones; a model that
+            differs, fails, or takes no 4-D mask of full attention runs padded. Ignored with ``packing``.
 
     Example:
         >>> loss_fn = GRPOLoss(policy, clip_epsilon=(0.2, 0.28))
