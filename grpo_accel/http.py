@@ -36,16 +36,18 @@ class HTTPClient:
         self.url, self.api_key, self.timeout_s = url.rstrip("/"), api_key, timeout_s
         self.retries, self.backoff_s, self.key_setting = retries, backoff_s, key_setting
 
-    def _request(self, method: str, path: str, body: dict | None, retries: int | None = None):
+    def _request(self, method: str, path: str, body: dict | None, retries: int | None = None,
+                 timeout_s: float | None = None):
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         attempts = 1 + (self.retries if retries is None else retries)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s  # this request's, else the client's
         for attempt in range(attempts):
             request = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                with urllib.request.urlopen(request, timeout=timeout_s) as response:
                     text = response.read().decode()
                     return json.loads(text) if text.strip().startswith(("{", "[")) else text
             except urllib.error.HTTPError as exc:
@@ -61,8 +63,8 @@ class HTTPClient:
             except TimeoutError as exc:  # connected and sent; the answer did not come (urllib wraps connect errors)
                 if attempt == attempts - 1:
                     raise ServerError(f"{method} {self.url}{path}: the server took the request but did not answer "
-                                      f"within {self.timeout_s:g} s ({attempts} attempt{'s' * (attempts > 1)})") from exc
-                logger.warning("%s %s%s: no answer within %g s; retry %d/%d", method, self.url, path, self.timeout_s,
+                                      f"within {timeout_s:g} s ({attempts} attempt{'s' * (attempts > 1)})") from exc
+                logger.warning("%s %s%s: no answer within %g s; retry %d/%d", method, self.url, path, timeout_s,
                                attempt + 1, attempts - 1)
             except (urllib.error.URLError, ConnectionError) as exc:
                 if attempt == attempts - 1:
@@ -74,21 +76,22 @@ class HTTPClient:
     def post(self, path: str, body: dict, retries: int | None = None):
         return self._request("POST", path, body, retries)
 
-    def get(self, path: str, retries: int | None = None):
-        return self._request("GET", path, None, retries)
+    def get(self, path: str, retries: int | None = None, timeout_s: float | None = None):
+        return self._request("GET", path, None, retries, timeout_s)
 
     def wait_for(self, path: str, timeout_s: float, poll_s: float = 0.5, report_every_s: float = 10.0,
-                 names: Mapping[str, str] | None = None):
+                 names: Mapping[str, str] | None = None, request_timeout_s: float | None = None):
         """``GET path`` until it answers 200 (the answer is returned), or raise after ``timeout_s`` naming the URL;
-        a 4xx (a wrong key) raises at once. Says what it waits for every ``report_every_s``; ``names`` says what the
-        settings it names (urls, health_timeout_s) are called (:func:`grpo_accel.rules.setting`)."""
+        a 4xx (a wrong key) raises at once; each GET may take ``request_timeout_s`` (default: the client's). Says
+        what it waits for every ``report_every_s``; ``names`` says what the settings it names (urls,
+        health_timeout_s) are called (:func:`grpo_accel.rules.setting`)."""
         urls, timeout = setting(names, "urls"), setting(names, "health_timeout_s")
         start = time.monotonic()
         deadline, report_at = start + timeout_s, start + report_every_s
         last = None
         while time.monotonic() < deadline:
             try:
-                return self.get(path, retries=0)
+                return self.get(path, retries=0, timeout_s=request_timeout_s)
             except ServerError as exc:
                 if exc.status is not None and exc.status < 500:
                     raise
@@ -105,10 +108,10 @@ class HTTPClient:
                           f"{last}); check that it is running and {urls} is right, or raise {timeout}.")
 
     def wait_healthy(self, timeout_s: float, poll_s: float = 0.5, report_every_s: float = 10.0,
-                     names: Mapping[str, str] | None = None) -> None:
+                     names: Mapping[str, str] | None = None, request_timeout_s: float | None = None) -> None:
         """:meth:`wait_for` ``/health``: in SGLang a one-token generation, which a paused server, or (0.5.9) one
         with memory released, never runs (503). It needs no key: it proves nothing of one."""
-        self.wait_for("/health", timeout_s, poll_s, report_every_s, names)
+        self.wait_for("/health", timeout_s, poll_s, report_every_s, names, request_timeout_s)
 
 
 def _error_message(exc: urllib.error.HTTPError) -> str:

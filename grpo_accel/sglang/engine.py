@@ -193,7 +193,7 @@ class SGLangEngine(RolloutEngine):
             return
         for client in self.clients:
             try:  # SGLang answers within HEALTH_CHECK_TIMEOUT (20 s by default), whatever request_timeout_s is
-                HTTPClient(client.url, timeout_s=HEALTH_ANSWER_S).wait_healthy(self.health_timeout_s, names=self.names)
+                client.wait_healthy(self.health_timeout_s, names=self.names, request_timeout_s=HEALTH_ANSWER_S)
             except ServerError as exc:
                 raise ServerError(
                     f"{exc} It answered /server_info, so it is up but does not generate: it is paused, or has memory "
