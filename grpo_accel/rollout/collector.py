@@ -229,7 +229,8 @@ class GRPOCollector(Collector):
                            "the model cannot read that text: use a tokenizer that covers it",
                            len(rows), len(self.rows), self.tokenizer.unk_token, rows[0],
                            self.prompts.texts[rows[0]][:80])
-        lost = [(i, back) for i, text in enumerate(self.prompts.texts) if i not in rows
+        unknown = set(rows)
+        lost = [(i, back) for i, text in enumerate(self.prompts.texts) if i not in unknown
                 and (back := read_back(self.tokenizer, text)) is not None]
         if lost:  # a tokenizer that drops what it cannot encode: nothing maps to the unknown token
             row, back = lost[0]
