@@ -1,8 +1,7 @@
 """Shared by cli/ and distributed/.
 
-The configuration files the project ships, found by name from a checkout or an installed package (shared by the
-command line, the launcher's DeepSpeed file and the recipe): accelerate configs (``accelerate_configs/``), DeepSpeed
-files (``ds_configs/``) and recipes (``launch/configs/``). The repository holds one copy of each; a wheel carries
+The configuration files the project ships, found by name from a checkout or an installed package: accelerate
+configs (``accelerate_configs/``), DeepSpeed files (``ds_configs/``) and recipes (``launch/configs/``). The repository holds one copy of each; a wheel carries
 them as ``grpo_accel/_shipped/<folder>/`` (pyproject.toml maps those package folders onto the repository's)."""
 from __future__ import annotations
 

@@ -118,19 +118,25 @@ def run(args) -> dict | None:
     model = model.to(dtype)
     n_params = sum(full_numel(p) for p in model.parameters())
     hidden = model.config.hidden_size
-    folder = tempfile.mkdtemp(prefix="bench-model-")  # every trainer's model.name_or_path: the same weights
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    folder = args.model or tempfile.mkdtemp(prefix="bench-model-")  # every trainer's model: the same weights
+    if not args.model:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    made = [] if args.model else [folder]  # removed at the end
     if args.loop:
-        return {"size": args.model or args.size, "parameters": n_params, "threads": threads, "decoder": args.decoder,
-                "prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens,
-                "kl_coef": args.kl_coef, "lr": args.lr, "steps": args.steps, "rounds": args.rounds,
-                "loop": loop(args, folder)}  # (the folder: a temporary one, as every run's below)
+        result = {"size": args.model or args.size, "parameters": n_params, "threads": threads, "decoder": args.decoder,
+                  "prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens,
+                  "kl_coef": args.kl_coef, "lr": args.lr, "steps": args.steps, "rounds": args.rounds,
+                  "loop": loop(args, folder)}
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
+        return result
     # The trainer launch/train.py builds, without its extras; the phases are called on its parts one by one.
     out = tempfile.mkdtemp(prefix="bench-run-")
+    made.append(out)
     trainer = build_trainer(_config(args, folder, out, [
         f"model.dtype={args.dtype}", f"loss.packing={str(args.packing).lower()}", f"trainer.total_frames={10**9}",
-        *LOOP_VARIANTS["sync"]]))
+        *WITHOUT_EXTRAS]))
     accelerator, collector = trainer.accelerator, trainer.collector
     engine, rows, rewards = collector.engine, collector.rows, collector.rewards
     engine.settings.min_new_tokens = args.max_new_tokens if args.fixed_length else 0
@@ -189,8 +195,8 @@ def run(args) -> dict | None:
                               device, threads)
         result["items"] = [it.to_json() for it in items]
     close_parts(trainer)
-    for made in (out, folder):
-        shutil.rmtree(made, ignore_errors=True)
+    for path in made:
+        shutil.rmtree(path, ignore_errors=True)
     return result if accelerator.is_main_process else None
 
 
@@ -210,13 +216,13 @@ def _tokenizer_and_model(args):
     return tokenizer, build_tiny_model(tokenizer, TinyModelSpec(hidden, layers, heads, inter, max_positions=256), seed=0)
 
 
+WITHOUT_EXTRAS = ["trainer.report_to=[]", "trainer.progress_bar=false", "trainer.log_samples=0",
+                  "checkpoint.interval_frames=null"]
+"""The launcher's extras off: trackers, the progress bar, logged samples, checkpoints."""
 LOOP_VARIANTS = {
-    "sync": ["trainer.report_to=[]", "trainer.progress_bar=false", "trainer.log_samples=0",
-             "checkpoint.interval_frames=null"],
-    "async": ["trainer.report_to=[]", "trainer.progress_bar=false", "trainer.log_samples=0",
-              "checkpoint.interval_frames=null", "trainer.async_collection=true"],
-    "async+worker": ["trainer.report_to=[]", "trainer.progress_bar=false", "trainer.log_samples=0",
-                     "checkpoint.interval_frames=null", "trainer.async_collection=true", "rollout.embedded_worker=true"],
+    "sync": WITHOUT_EXTRAS,
+    "async": [*WITHOUT_EXTRAS, "trainer.async_collection=true"],
+    "async+worker": [*WITHOUT_EXTRAS, "trainer.async_collection=true", "rollout.embedded_worker=true"],
     "launcher": [],
 }
 """Each variant's settings on the loop's work, every trainer built by ``launch/train.py``'s builder
