@@ -1,5 +1,5 @@
-"""Facts of one SGLang release that live in code paths needing a GPU, read from its source (tests/sglang_standin/source.py
-fetches and holds the files): session guards, idle tests, limits, what /server_info carries, model classes."""
+"""Facts of one SGLang release that live in code paths needing a GPU, read from its source (``source.py`` fetches
+and holds the files): session guards, idle tests, limits, what /server_info carries, model classes."""
 from __future__ import annotations
 
 import ast

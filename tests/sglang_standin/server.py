@@ -7,7 +7,7 @@
         [--decode-delay S] [--kv-cache] [--startup-delay S] [--host ADDR]
 
 A real SGLang server needs a GPU; this one serves a transformers model on CPU and takes from SGLang's source
-(tests/sglang_standin/source.py) everything that decides whether the trainer and a real server agree:
+(``source.py``) everything that decides whether the trainer and a real server agree:
 
 - routes, methods and auth levels: srt/entrypoints/http_server.py; the auth decision itself is SGLang's
   ``decide_request_auth`` (srt/utils/auth.py); a path the release does not have is a 404;

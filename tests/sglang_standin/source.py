@@ -14,7 +14,7 @@ fetched once with ``pip download --no-deps sglang==VERSION`` into ``$GRPO_ACCEL_
 - 0.5.23's per-token weight versions (srt/utils/weight_versions.py, with its msgspec_utils import given);
 - the /generate contract: sglang/api/v1/api_types.py (0.5.22+); before that the parameters of
   ``SamplingParams.__init__`` (srt/sampling/sampling_params.py);
-- facts that live in code paths needing a GPU, read from the source (tests/sglang_standin/facts.py): the
+- facts that live in code paths needing a GPU, read from the source (``facts.py``): the
   weight-update session guards (srt/managers/scheduler_components/weight_updater.py, 0.5.21+), the idle test of
   a memory release, when a health check is held back (srt/managers/scheduler.py) and how long /health waits, the
   context rule's comparison, what /server_info carries, and the model classes that
