@@ -81,7 +81,7 @@ def room(module: str) -> str:
 
 def test_the_package_root_holds_only_modules_several_rooms_share():
     """Issue 51: the root was a corridor of single-file modules. Each module left there is imported by at least two
-    others rooms (or root modules) and its docstring's first line says so, naming them ("every room" for five or
+    other rooms (or root modules) and its docstring's first line says so, naming them ("every room" for five or
     more); a module used by one room lives in it."""
     graph = import_graph()
     root = sorted(m for m in graph if m.count(".") == 1 and (ROOT / "grpo_accel" / f"{room(m)}.py").exists())
