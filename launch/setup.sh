@@ -15,7 +15,7 @@ fi
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  if command -v nvidia-smi >/dev/null 2>&1; then "${pip[@]}" "torch<=2.14.1"; else "${pip[@]}" torch==2.13.0; fi
+  if command -v nvidia-smi >/dev/null 2>&1; then "${pip[@]}" torch; else "${pip[@]}" torch==2.13.0; fi
 fi
 "${pip[@]}" -e ".[dev]"
 echo "$want" > "$stamp"

@@ -116,10 +116,40 @@ def test_gpu_check_script_refuses_without_a_gpu():
                               env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"}, timeout=120)
 
     bench, sglang, other = run("bench"), run("sglang"), run("nonsense")
-    for needs_cuda in (bench, run("gsm8k"), run("shared")):
+    for needs_cuda in (bench, run("gsm8k"), run("shared"), run("path")):
         assert needs_cuda.returncode != 0 and "no CUDA device" in needs_cuda.stderr
     assert sglang.returncode != 0 and "FAIL  no GPU (nvidia-smi lists none)" in sglang.stdout
-    assert other.returncode == 2 and "usage: bash launch/bench/gpu_check.sh bench|sglang|gsm8k|shared" in other.stderr
+    assert other.returncode == 2 and "usage: bash launch/bench/gpu_check.sh bench|sglang|gsm8k|shared|path" in other.stderr
+
+
+GPU_PATH = str(ROOT / "launch" / "bench" / "gpu_path.py")
+TINY_WORK = ["--sizes", "tiny", "--completions", "8", "--group", "4", "--micro-batch", "8", "--repeats", "1"]
+
+
+def sections(output: str) -> list[dict]:
+    return [json.loads(line) for line in output.splitlines() if line.startswith('{"section"')]
+
+
+def test_the_gpu_paths_figures_run_on_a_cpu(tmp_path):
+    """gpu_check.sh path's sections, small, on this CPU (they have never run on a GPU here: what it prints there is
+    the figure): each path generates exactly its tokens, the training phase reports its MFU, the memory section
+    runs the built trainer under ZeRO-3. Continuous batching takes ~25 s to start on a CPU, so it is left to the
+    GPU."""
+    def run(*args):
+        proc = subprocess.run([sys.executable, GPU_PATH, *args, *TINY_WORK], capture_output=True, text=True,
+                              cwd=ROOT, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return sections(proc.stdout)
+
+    [generated] = run("generate", "--prompt-tokens", "8", "--new-tokens", "8", "--methods", "embedded", "generate")
+    assert generated["embedded"]["tokens"] == generated["generate"]["tokens"] == 8 * 8  # every completion at its budget
+    assert generated["fastest"] in ("embedded", "generate")
+    [trained] = run("train", "--train-tokens", "8")
+    assert trained["train_tokens_per_s"] > 0 and trained["mfu_vs_measured_matmul"] > 0
+    proc = launch("zero3.yaml", ["memory", *TINY_WORK, "--train-tokens", "8", "--folder", str(tmp_path)],
+                  launcher_args=["--num_processes", "1"], script=(GPU_PATH,))
+    [memory] = sections(proc.stdout)
+    assert memory["zero_stage"] == 3 and memory["iterations"] == 2 and memory["gradient_checkpointing"] is True
 
 
 def test_the_trl_comparison_reads_a_runs_steps_from_its_event_files(tmp_path, monkeypatch):

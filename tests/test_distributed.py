@@ -19,6 +19,12 @@ from launching import ROOT, TINY_FOLDER, free_port, launch, launch_training, run
 from trainer_utils import train_in_process
 
 BASE = ["trainer.total_frames=512", "trainer.progress_bar=false"]  # 4 batches of 16 prompts x 8
+
+
+def saved(folder) -> tuple[str, ...]:
+    """Settings that start a run from ``folder``, the built-in tiny Llama saved once (conftest's ``model_dir``): every
+    stage loads the same weights, ZeRO-3 partitioned from the start (zero.Init), the others whole."""
+    return (f"model.name_or_path={folder}", *TINY_FOLDER)
 TAGS = ("train/loss", "train/reward_mean", "train/clip_fraction", "train/entropy")
 
 
@@ -92,8 +98,9 @@ PREVIOUS_ENGINE = "rollout.decoder=generate"
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    return curves(run("single_process.yaml", tmp_path_factory.mktemp("single"), "run", PREVIOUS_ENGINE))[0]
+def single(tmp_path_factory, model_dir):
+    return curves(run("single_process.yaml", tmp_path_factory.mktemp("single"), "run", *saved(model_dir),
+                      PREVIOUS_ENGINE))[0]
 
 
 @pytest.mark.parametrize("config, stage, dist_type, extra", [
@@ -102,8 +109,8 @@ def single(tmp_path_factory):
     ("zero2.yaml", 2, "DEEPSPEED", ("trainer.micro_batch_completions=32", "trainer.gradient_accumulation_steps=2")),
     ("zero3.yaml", 3, "DEEPSPEED", ()),  # with zero3_gather_full and packing: the LoRA test below
 ])
-def test_two_processes_match_one_process(single, tmp_path, config, stage, dist_type, extra):
-    got, summary = curves(run(config, tmp_path, "run", "trainer.micro_batch_completions=64", *extra))
+def test_two_processes_match_one_process(single, model_dir, tmp_path, config, stage, dist_type, extra):
+    got, summary = curves(run(config, tmp_path, "run", *saved(model_dir), "trainer.micro_batch_completions=64", *extra))
     assert summary["num_processes"] == 2 and summary["distributed_type"] == dist_type
     assert summary["zero_stage"] == stage
     assert summary["param_fraction_on_rank0"] == (0.5 if stage == 3 else 1.0)  # ZeRO-3 really shards
@@ -139,8 +146,9 @@ LORA = ("model.lora.r=4", "model.lora.alpha=8", "loss.kl_coef=0.05")  # the refe
 
 
 @pytest.fixture(scope="module")
-def single_lora(tmp_path_factory):
-    out = run("single_process.yaml", tmp_path_factory.mktemp("single_lora"), "run", *LORA, PREVIOUS_ENGINE)
+def single_lora(tmp_path_factory, model_dir):
+    out = run("single_process.yaml", tmp_path_factory.mktemp("single_lora"), "run", *saved(model_dir), *LORA,
+              PREVIOUS_ENGINE)
     return (*curves(out), out)
 
 
@@ -149,12 +157,12 @@ def single_lora(tmp_path_factory):
     # with generation from fully gathered weights and padding-free training (each = the padded 1-process run)
     ("zero3.yaml", 3, ("rollout.zero3_gather_full=true", "loss.packing=true")),
 ])
-def test_lora_under_zero_matches_one_process(single_lora, tmp_path, config, stage, extra):
+def test_lora_under_zero_matches_one_process(single_lora, model_dir, tmp_path, config, stage, extra):
     from grpo_accel.checkpoint import Checkpoint
     from grpo_accel.recipe.export import load_policy
 
     expected, one, one_out = single_lora
-    out = run(config, tmp_path, "run", "trainer.micro_batch_completions=64", *LORA, *extra)
+    out = run(config, tmp_path, "run", *saved(model_dir), "trainer.micro_batch_completions=64", *LORA, *extra)
     got, summary = curves(out)
     assert summary["zero_stage"] == stage and summary["trainable_parameters"] == one["trainable_parameters"]
     assert 8 * one["trainable_parameters"] < one["optimizer_state_bytes_rank0"] < 8.1 * one["trainable_parameters"]
@@ -166,8 +174,8 @@ def test_lora_under_zero_matches_one_process(single_lora, tmp_path, config, stag
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)
 
 
-def test_zero3_with_reference_offload_and_checkpointing_matches_one_process(tmp_path):
-    kl = ["loss.kl_coef=0.1"]
+def test_zero3_with_reference_offload_and_checkpointing_matches_one_process(tmp_path, model_dir):
+    kl = [*saved(model_dir), "loss.kl_coef=0.1"]  # the reference: a second partitioned load of the folder
     expected, _ = curves(run("single_process.yaml", tmp_path, "single", *kl))
     got, summary = curves(run("zero3_offload.yaml", tmp_path, "z3", *kl, "trainer.micro_batch_completions=64",
                               "model.gradient_checkpointing=true"))
@@ -188,7 +196,7 @@ def test_bf16_under_zero3_learns_with_finite_loss(tmp_path):
     assert summary["reward_last10_mean"] > summary["reward_first10_mean"] + 0.1, summary  # here: 0.08 -> 0.26
 
 
-def test_slurm_script_runs_two_machines_of_one_process(single, tmp_path):
+def test_slurm_script_runs_two_machines_of_one_process(single, model_dir, tmp_path):
     """launch/slurm.sbatch under stand-ins for srun/scontrol that start its two tasks the way SLURM would, on two
     "machines" of one process each: two network namespaces with addresses of their own (tests/netns.py), so the
     run crosses a network; each runs launch/multinode.sh -> accelerate launch. It gives the 1-process curves."""
@@ -197,10 +205,10 @@ def test_slurm_script_runs_two_machines_of_one_process(single, tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     with two_hosts() as hosts:
-        _slurm_run(hosts, bin_dir, tmp_path, single)
+        _slurm_run(hosts, bin_dir, tmp_path, single, saved(model_dir))
 
 
-def _slurm_run(hosts, bin_dir, tmp_path, single):
+def _slurm_run(hosts, bin_dir, tmp_path, single, model):
     node = [" ".join(hosts.prefix(i)) for i in (0, 1)]
     (bin_dir / "scontrol").write_text(f"#!/usr/bin/env bash\necho {hosts.addresses[0]}\necho {hosts.addresses[1]}\n")
     (bin_dir / "srun").write_text(
@@ -215,7 +223,7 @@ def _slurm_run(hosts, bin_dir, tmp_path, single):
            "SLURM_NNODES": "2", "PROCS_PER_MACHINE": "1", "MAIN_PORT": str(free_port()), "PYTHON": sys.executable,
            "SLURM_SUBMIT_DIR": str(ROOT), "DS_ACCELERATOR": "cpu"}
     out = tmp_path / "run"
-    proc = run_in_group(["bash", str(ROOT / "launch" / "slurm.sbatch"), f"output_dir={out}", *BASE,
+    proc = run_in_group(["bash", str(ROOT / "launch" / "slurm.sbatch"), f"output_dir={out}", *BASE, *model,
                          "trainer.micro_batch_completions=64"], env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     assert READY.format(0) in proc.stderr and READY.format(1) in proc.stderr

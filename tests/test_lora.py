@@ -98,7 +98,7 @@ def test_a_lora_run_saves_the_adapter_resumes_exactly_and_exports(tokenizer, tmp
 
     def run(folder, batches, resume=None):
         reset_accelerate_state()
-        _, model, reference = build_policy(cfg.model, with_reference=True, seed=0)
+        model, reference = build_policy(cfg.model, tokenizer, with_reference=True, seed=0)
         trainer = make_trainer(tokenizer, model, total_frames=frames * batches, loss_kwargs={
             "reference": reference, "kl_coef": 0.05}, checkpoint=Checkpoint(folder, resume=resume),
             checkpoint_metadata=lambda: {"config": to_dict(cfg)})

@@ -50,10 +50,11 @@ def test_raising_total_frames_continues_and_the_resume_names_what_changed(finish
     with caplog.at_level(logging.INFO):
         assert main_in_process("train", [f"output_dir={run}", *RUN, "trainer.total_frames=48", "optim.lr=1e-4"]) == 0
     assert Checkpoint(run / "checkpoints").read_metadata(Checkpoint(run / "checkpoints").complete()[-1])["frames"] == 48
-    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("resuming "))
-    changes = line.split("with settings changed since it was saved: ")[1].split("; ")
-    assert changes == ["optim.lr: 0.0003 -> 0.0001", f"output_dir: {str(finished)!r} -> {str(run)!r}",
-                       "trainer.total_frames: 32 -> 48"], line  # the copy moved the folder: said too
+    messages = [r.getMessage() for r in caplog.records]
+    at = next(i for i, m in enumerate(messages) if m.startswith("resuming "))
+    assert messages[at].endswith("with 3 setting(s) changed since it was saved:"), messages[at]
+    assert messages[at + 1:at + 4] == ["  optim.lr: 0.0003 -> 0.0001", f"  output_dir: {str(finished)!r} -> {str(run)!r}",
+                                       "  trainer.total_frames: 32 -> 48"]  # one line each; the copy moved the folder
     done = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("done: "))
     assert done.splitlines()[0].startswith("done: 48 frames (completions) in 3 batches; this run ")
     assert done.splitlines()[1:] == [done.splitlines()[1], f"  final checkpoint: {run / 'checkpoints' / 'step_00000003'}",
@@ -133,3 +134,27 @@ def test_an_export_into_a_place_it_cannot_write_is_refused_before_the_weights_ar
     with pytest.raises(CheckpointError, match="export target /proc/grpo_accel_export: cannot write there"):
         export.export_checkpoint(last, "/proc/grpo_accel_export")
     assert read == []
+
+
+def test_a_resume_takes_settings_that_do_not_change_the_math_and_refuses_one_that_does(finished, tmp_path, caplog):
+    """Issue 56 item 4: gradient checkpointing turned on after an out-of-memory, another attention kernel and a
+    reward's retries continue the run, one line each; the weights' dtype is still refused, naming it."""
+    import shutil
+
+    from grpo_accel.recipe.checks import ConfigError
+
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    rewards = "rewards=[{name: answer_match, retries: 5}, {name: format_match, weight: 0.2}]"
+    changed = ["model.gradient_checkpointing=true", "model.attn_implementation=eager", rewards]
+    with pytest.raises(ConfigError, match="trained with other settings: model.dtype: 'float32' -> 'bfloat16'; resume"):
+        main_in_process("train", [f"output_dir={run}", *RUN, "trainer.total_frames=48", *changed, "model.dtype=bfloat16"])
+    with caplog.at_level(logging.INFO):
+        assert main_in_process("train", [f"output_dir={run}", *RUN, "trainer.total_frames=48", *changed]) == 0
+    messages = [r.getMessage() for r in caplog.records]
+    at = next(i for i, m in enumerate(messages) if m.startswith("resuming "))
+    assert messages[at + 1:at + 6] == [
+        "  model.attn_implementation: None -> 'eager'", "  model.gradient_checkpointing: False -> True",
+        f"  output_dir: {str(finished)!r} -> {str(run)!r}", "  rewards[0].retries: 2 -> 5",
+        "  trainer.total_frames: 32 -> 48"]
+    assert any(m.startswith("done: 48 frames (completions) in 3 batches") for m in messages)

@@ -5,9 +5,10 @@
 
 Everything that can be checked without a process group is checked first (the DeepSpeed file, the batch layout,
 where the run starts, the data, the rewards); the run's one :class:`~grpo_accel.layout.BatchLayout` is made here
-and handed to the collector, which the trainer reads it from. Models are built before the Accelerator: under
-ZeRO-3 that keeps ``zero.Init`` out, so every stage starts from the same weights (DeepSpeed partitions them in
-``prepare``).
+and handed to the collector, which the trainer reads it from. The policy and its KL reference are built once the
+Accelerator exists: under ZeRO-3 transformers then loads a named model under DeepSpeed's ``zero.Init``, so no
+process ever holds the whole model (each fills its shards from the checkpoint, one module at a time); every stage
+loads the same weights. The built-in tiny model is constructed directly, whole and seeded, on every stage.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def build_trainer(cfg: GRPOConfig):
     from grpo_accel.distributed.deepspeed_files import preflight
     from grpo_accel.distributed import first_process, launch_world_size, make_accelerator
     from grpo_accel.recipe.loading import to_dict
-    from grpo_accel.recipe.parts import build_environment, build_policy, build_rewards, build_rows
+    from grpo_accel.recipe.parts import build_environment, build_policy, build_rewards, build_rows, build_tokenizer
     from grpo_accel.recipe.run_folder import data_fingerprints, start_point
     from grpo_accel.trainer import GRPOTrainer
 
@@ -74,17 +75,19 @@ def build_trainer(cfg: GRPOConfig):
         raise ConfigError(f"eval.every_iterations={cfg.eval.every_iterations}: there are no held-out rows; set "
                           "data.holdout (built-in task), data.eval_path or data.eval_split, or "
                           "eval.every_iterations=0.")
-    rewards = build_rewards(cfg.rewards, r.max_new_tokens)  # a bad reward module or environment: refused before
-    environment = build_environment(r, cfg.data)  # any process group starts
-    tokenizer, model, reference = build_policy(cfg.model, with_reference=cfg.loss.kl_coef > 0, seed=t.seed)
-    if first_process():
-        warn_unusual_settings(cfg, model)
+    rewards = build_rewards(cfg.rewards, r.max_new_tokens, cfg.model)  # a bad reward module, environment or model
+    environment = build_environment(r, cfg.data)  # folder: refused before any process group starts
+    tokenizer = build_tokenizer(cfg.model)
     accelerator = make_accelerator(t.gradient_accumulation_steps, t.mixed_precision)
-    trackers = open_run_trackers(cfg, resume) if accelerator.is_main_process else None
     log.info("process group ready: rank %d of %d (%s)", accelerator.process_index, accelerator.num_processes,
              accelerator.distributed_type.name)
+    model, reference = build_policy(cfg.model, tokenizer, with_reference=cfg.loss.kl_coef > 0, seed=t.seed)
     if accelerator.is_main_process:  # the start-up block once, not once per process
+        if line := cfg.followed_defaults.describe():
+            log.info(line)
+        warn_unusual_settings(cfg, model)
         log.info(layout.describe(micro_batch, t.gradient_accumulation_steps, t.num_epochs, t.optim_steps_per_batch))
+    trackers = open_run_trackers(cfg, resume) if accelerator.is_main_process else None
     engine, sender = build_engine_and_sender(cfg, model, tokenizer, accelerator)
     collector = build_collector(cfg, engine, tokenizer, rows, rewards, environment, layout, accelerator.process_index)
     optimizer = build_optimizer(cfg, model)
@@ -213,7 +216,9 @@ def warn_unusual_settings(cfg: GRPOConfig, model) -> None:
     """One warning line per setting unusual for ``model`` (:func:`grpo_accel.recipe.defaults.unusual_settings`)."""
     from grpo_accel.recipe.defaults import unusual_settings
 
-    for line in unusual_settings(cfg, sum(p.numel() for p in model.parameters())):
+    from grpo_accel.distributed import full_numel
+
+    for line in unusual_settings(cfg, sum(full_numel(p) for p in model.parameters())):
         log.warning(line)
 
 
@@ -244,13 +249,15 @@ def build_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
     """The rollout engine and the weight-sync sender that keeps it current."""
     if cfg.rollout.backend == "sglang":
         return _sglang_engine_and_sender(cfg, model, tokenizer, accelerator)
-    from grpo_accel.distributed import gathered_parameters
+    from grpo_accel.distributed import gathered_parameters, zero3_partitioned
     from grpo_accel.embedded.engine import EmbeddedEngine
     from grpo_accel.embedded.sender import EmbeddedWeightSync
 
     r = cfg.rollout
-    # Async collection generates while the policy is updated, so the engine needs its own copy of the weights.
-    engine_model = copy.deepcopy(model) if cfg.trainer.async_collection else model
+    # Async collection generates while the policy is updated, so the engine needs its own copy of the weights (not
+    # of ZeRO-3 shards: the trainer refuses an embedded engine beside ZeRO-3 in async mode, saying why).
+    copies = cfg.trainer.async_collection and not zero3_partitioned()
+    engine_model = copy.deepcopy(model) if copies else model
     engine = EmbeddedEngine(engine_model, tokenizer, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                             top_p=r.top_p, top_k=r.top_k, decoder=r.decoder, worker=r.embedded_worker,
                             gather=(lambda: gathered_parameters(model.parameters())) if r.zero3_gather_full else None)

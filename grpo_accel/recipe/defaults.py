@@ -1,42 +1,113 @@
-"""Settings that follow the model: one table of the defaults that differ between a pretrained model (named by
-``model.name_or_path``) and the built-in tiny one, and the check that warns about a setting unusual for a
-pretrained model. A key left unset (null) takes the column of the model the run trains; a value set in a file or
-on the command line is kept as it is.
+"""Settings that follow the model and the hardware: one table of the defaults that differ between a pretrained
+model (named by ``model.name_or_path``) on a CUDA device, the same on a CPU, and the built-in tiny one, and the
+check that warns about a setting unusual for a pretrained model. A key left unset (null) takes its column; a
+value set in a file or on the command line is kept as it is.
 
-Why two columns: the built-in model is a 0.1M-parameter toy with random weights that must learn "3+4=7" in 30 s
-(large steps, four tokens); a pretrained model is wrecked by such a learning rate and needs room to answer. The
-pretrained column is TRL's GRPOConfig defaults (learning_rate 1e-6, max_completion_length 256,
-max_prompt_length 512).
+Why the columns: the built-in model is a 0.1M-parameter toy with random weights that must learn "3+4=7" in 30 s
+(large steps, four tokens, float32); a pretrained model is wrecked by such a learning rate and needs room to
+answer. The pretrained column is TRL 1.16's GRPOConfig defaults (learning_rate 1e-6, max_completion_length 256,
+max_prompt_length 512, bf16 and gradient checkpointing on): bf16 (fp16 on a GPU without bfloat16, before Ampere)
+runs on the GPU's matrix units, and checkpointing trades ~30% more compute for activations that no longer grow
+with the layers. On a CPU both cost time and save nothing a CPU is short of, so a CPU keeps float32 and off.
 
 Example:
     >>> cfg = load_config(None, ["model.name_or_path=runs/smollm2-135m"])
-    >>> cfg.optim.lr, cfg.rollout.max_new_tokens
-    (1e-06, 256)
+    >>> cfg.optim.lr, cfg.rollout.max_new_tokens, cfg.trainer.mixed_precision   # on a CPU
+    (1e-06, 256, 'no')
 """
 from __future__ import annotations
 
+import os
 from typing import Any, NamedTuple
 
 
 class ModelDefault(NamedTuple):
-    pretrained: Any  # model.name_or_path names a model
+    pretrained: Any  # model.name_or_path names a model (on a CPU)
     builtin: Any  # model.name_or_path is null: the built-in tiny Llama
+    pretrained_cuda: Any = None  # a named model on a CUDA device, where it differs (None: as on a CPU)
 
 
 MODEL_DEFAULTS: dict[str, ModelDefault] = {
     "optim.lr": ModelDefault(1e-6, 3e-4),
     "rollout.max_new_tokens": ModelDefault(256, 4),
     "rollout.max_prompt_tokens": ModelDefault(512, 64),
+    "trainer.mixed_precision": ModelDefault("no", "no", pretrained_cuda="bf16"),  # fp16 where bf16 is not there
+    "model.gradient_checkpointing": ModelDefault(False, False, pretrained_cuda=True),
 }
 
 
-def fill_model_defaults(cfg) -> None:
-    """Each ``MODEL_DEFAULTS`` key of ``cfg`` (a GRPOConfig) that is None set to its model's column."""
+class Hardware(NamedTuple):
+    """What this process trains on, as far as the defaults care."""
+
+    cuda: bool  # a CUDA device is visible
+    bf16: bool  # it computes in bfloat16 (compute capability 8.0 and newer: A100, H100, RTX 30xx on)
+
+    def describe(self) -> str:
+        return "a CPU" if not self.cuda else f"a CUDA device{'' if self.bf16 else ' without bfloat16'}"
+
+
+def detect_hardware() -> Hardware:
+    """The device this process will train on. Creates no CUDA context: the launcher's processes read their config
+    before the Accelerator gives each its GPU, and a context made here would sit on GPU 0 for all of them."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return Hardware(False, False)
+    device = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    return Hardware(True, torch.cuda.get_device_capability(device)[0] >= 8)
+
+
+class Followed(NamedTuple):
+    """The settings that were left unset and took their column's values, and why that column."""
+
+    values: dict[str, Any]  # key -> the value it took
+    reason: str  # which column, in words
+
+    def describe(self) -> str | None:
+        """One start-up line naming each setting that followed the model and the hardware; None if none."""
+        if not self.values:
+            return None
+        values = ", ".join(f"{key}={_shown(value)}" for key, value in self.values.items())
+        return f"unset settings that follow the model ({self.reason}): {values}; set any of them to choose otherwise"
+
+
+def model_default(key: str, pretrained: bool, hardware: Hardware) -> Any:
+    """The value of ``MODEL_DEFAULTS[key]`` for a named (``pretrained``) or built-in model on ``hardware``."""
+    default = MODEL_DEFAULTS[key]
+    if not pretrained:
+        return default.builtin
+    value = default.pretrained_cuda if hardware.cuda and default.pretrained_cuda is not None else default.pretrained
+    if key == "trainer.mixed_precision" and value == "bf16" and not hardware.bf16:
+        return "fp16"  # a GPU without bfloat16 still has half-precision matrix units; fp16 adds a loss scaler
+    return value
+
+
+def column_reason(pretrained: bool, hardware: Hardware) -> str:
+    if not pretrained:
+        return "the built-in tiny model: the toy's own"
+    if not hardware.cuda:
+        return ("a model named by model.name_or_path on a CPU: TRL's defaults, but float32 and no gradient "
+                "checkpointing, which only cost time on a CPU")
+    return (f"a model named by model.name_or_path on {hardware.describe()}: TRL's defaults"
+            + ("" if hardware.bf16 else ", fp16 for its bf16"))
+
+
+def fill_model_defaults(cfg, hardware: Hardware | None = None) -> Followed:
+    """Each ``MODEL_DEFAULTS`` key of ``cfg`` (a GRPOConfig) that is None set to its column for ``cfg``'s model
+    on ``hardware`` (this process's, :func:`detect_hardware`, by default); returns what was filled."""
     pretrained = cfg.model.name_or_path is not None
-    for key, default in MODEL_DEFAULTS.items():
+    unset = [key for key in MODEL_DEFAULTS if _get(cfg, key) is None]
+    hardware = hardware or (detect_hardware() if unset and pretrained else Hardware(False, False))
+    values = {key: model_default(key, pretrained, hardware) for key in unset}
+    for key, value in values.items():
         section, name = key.split(".")
-        if getattr(getattr(cfg, section), name) is None:
-            setattr(getattr(cfg, section), name, default.pretrained if pretrained else default.builtin)
+        setattr(getattr(cfg, section), name, value)
+    return Followed(values, column_reason(pretrained, hardware))
+
+
+def _get(cfg, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
 
 
 PRETRAINED_PARAMETERS = 10_000_000
@@ -61,3 +132,8 @@ def unusual_settings(cfg, parameters: int) -> list[str]:
                    f"{cfg.rollout.max_new_tokens} tokens, before most can state an answer; 128 to 1024 is usual "
                    f"(TRL's default 256, the default here for a named model).")
     return out
+
+
+def _shown(value: Any) -> str:
+    """A value as it is written on the command line (true, not True)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)

@@ -13,20 +13,24 @@ from grpo_accel.recipe.dataset import extract_answers, load_rows, transform_rows
 from grpo_accel.recipe.rollout_schema import RewardConfig, RolloutConfig
 from grpo_accel.recipe.schema import DataConfig, LoraConfig, ModelConfig
 from grpo_accel.rewards import BUILTIN_REWARDS, RewardSet, is_async_reward
+from grpo_accel.rules import TRAINING_DTYPES
 from grpo_accel.tasks import BUILTIN_TASKS
 
 
 def build_tokenizer_and_model(cfg: ModelConfig, seed: int = 0):
     """(tokenizer, causal LM): the built-in tiny pair when ``name_or_path`` is None, else loaded from it."""
-    import torch
+    tokenizer = build_tokenizer(cfg)
+    return tokenizer, build_model(cfg, tokenizer, seed)
 
+
+def build_tokenizer(cfg: ModelConfig):
+    """The built-in character tokenizer, or the named model's, after checking that its folder holds a model:
+    everything about ``model.name_or_path`` that can be refused before any process group starts."""
     if cfg.name_or_path is None:
-        from grpo_accel.tasks.tiny import TinyModelSpec, build_char_tokenizer, build_tiny_model
+        from grpo_accel.tasks.tiny import build_char_tokenizer
 
-        tokenizer = build_char_tokenizer()
-        spec = TinyModelSpec(cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.intermediate_size)
-        return tokenizer, build_tiny_model(tokenizer, spec, seed=seed)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+        return build_char_tokenizer()
+    from transformers import AutoTokenizer
 
     key = f"model.name_or_path={cfg.name_or_path!r}"
     local = Path(cfg.name_or_path).expanduser()
@@ -42,7 +46,8 @@ def build_tokenizer_and_model(cfg: ModelConfig, seed: int = 0):
         raise ConfigError(f"{key}: no such folder (cwd {Path.cwd()}); point it at a model folder written by "
                           "save_pretrained, e.g. grpo-accel models smollm2-135m runs/smollm2-135m.")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, padding_side="left")
+        tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, padding_side="left",
+                                                  trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
     except (OSError, ValueError) as exc:
         where = (f"{local} has no tokenizer files (tokenizer.json or tokenizer_config.json and its vocabulary); save "
                  f"them beside the model with tokenizer.save_pretrained('{local}')") if local.exists() else (
@@ -51,15 +56,72 @@ def build_tokenizer_and_model(cfg: ModelConfig, seed: int = 0):
         raise ConfigError(f"{key}: {where} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}).") from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, dtype=getattr(torch, cfg.dtype))
-    rows = model.get_input_embeddings().num_embeddings
     if len(tokenizer) == 0 or not tokenizer("1+2=")["input_ids"]:
         raise ConfigError(f"{key}: its tokenizer is empty (it encodes text to no tokens); save the model's own "
                           "tokenizer beside it with tokenizer.save_pretrained.")
+    return tokenizer
+
+
+def build_model(cfg: ModelConfig, tokenizer, seed: int = 0):
+    """The built-in tiny Llama (random weights from ``seed``), or the named model with the ``model.*`` loading
+    settings (:func:`pretrained_kwargs`). Under a ZeRO-3 Accelerator, transformers builds it under DeepSpeed's
+    ``zero.Init``: each process holds only its shard of every weight from the start, filled from the checkpoint
+    one module at a time (the built-in model is constructed directly, whole, the same on every stage)."""
+    if cfg.name_or_path is None:
+        from grpo_accel.tasks.tiny import TinyModelSpec, build_tiny_model
+
+        spec = TinyModelSpec(cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.intermediate_size)
+        return build_tiny_model(tokenizer, spec, seed=seed)
+    from transformers import AutoModelForCausalLM
+
+    key = f"model.name_or_path={cfg.name_or_path!r}"
+    model = load_pretrained(AutoModelForCausalLM, cfg.name_or_path, pretrained_kwargs(cfg), key)
+    rows = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > rows:
         raise ConfigError(f"{key}: the tokenizer has {len(tokenizer)} tokens but the model embeds only {rows}; "
                           "they do not belong together: save the model's own tokenizer beside it.")
-    return tokenizer, model
+    return model
+
+
+def pretrained_kwargs(cfg: ModelConfig) -> dict:
+    """What ``model.*`` hands to ``from_pretrained``: dtype (``auto``: the checkpoint's, float16 read as float32),
+    attn_implementation (when set), trust_remote_code and revision."""
+    import torch
+
+    dtype = checkpoint_dtype(cfg) if cfg.dtype == "auto" else cfg.dtype
+    kwargs = {"dtype": getattr(torch, dtype), "trust_remote_code": cfg.trust_remote_code, "revision": cfg.revision}
+    if cfg.attn_implementation is not None:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    return kwargs
+
+
+def checkpoint_dtype(cfg: ModelConfig) -> str:
+    """``model.dtype=auto``: the dtype the checkpoint's config names, when it is one weights train in (float32,
+    bfloat16); anything else (float16, none named) float32."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code,
+                                        revision=cfg.revision)
+    named = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "").removeprefix("torch.")
+    return named if named in TRAINING_DTYPES else "float32"
+
+
+def load_pretrained(auto_class, name: str, kwargs: dict, key: str):
+    """``auto_class.from_pretrained(name, **kwargs)``; what the loading settings cause (remote code not trusted, an
+    attention kernel that is not installed) is one line naming the setting, ``key`` the model's."""
+    try:
+        return auto_class.from_pretrained(name, **kwargs)
+    except (ImportError, ValueError) as exc:
+        text = " ".join(str(exc).split())
+        attn = kwargs.get("attn_implementation")
+        if attn is not None and (attn in text or isinstance(exc, ImportError)):
+            raise ConfigError(f"model.attn_implementation={attn!r}: {key} cannot load with it ({text[:240]}); install "
+                              "what it needs, or use sdpa (or null, transformers' choice).") from None
+        if "trust_remote_code" in text:
+            raise ConfigError(f"model.trust_remote_code={kwargs.get('trust_remote_code')!r}: {key} ships its own "
+                              "modelling code (auto_map in its config.json), which runs only when trusted; set "
+                              "model.trust_remote_code=true if you trust it.") from None
+        raise
 
 
 WEIGHT_FILES = ("model.safetensors", "model-*.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -67,11 +129,17 @@ WEIGHT_FILES = ("model.safetensors", "model-*.safetensors", "model.safetensors.i
 """What transformers' from_pretrained loads weights from in a folder (safetensors, sharded or not; PyTorch bins)."""
 
 
-def build_policy(cfg: ModelConfig, with_reference: bool, seed: int = 0):
-    """(tokenizer, policy, reference or None). With ``lora.r`` the policy is the model with a fresh LoRA adapter
-    and the reference is that model with its adapter off; otherwise the reference is a frozen copy."""
-    tokenizer, model = build_tokenizer_and_model(cfg, seed=seed)
-    reference = copy.deepcopy(model) if with_reference and not cfg.lora.r else None
+def build_policy(cfg: ModelConfig, tokenizer, with_reference: bool, seed: int = 0):
+    """(policy, reference or None). With ``lora.r`` the policy is the model with a fresh LoRA adapter and the
+    reference is that model with its adapter off; otherwise the reference is a second, frozen load of the same
+    weights (under ZeRO-3 partitioned like the policy; never a copy of a whole model)."""
+    from grpo_accel.runtime import freed_memory_returned
+
+    with freed_memory_returned():  # the whole weights zero.Init makes, then shards, do not stay in the heap
+        model = build_model(cfg, tokenizer, seed)
+        reference = None
+        if with_reference and not cfg.lora.r:
+            reference = build_model(cfg, tokenizer, seed) if cfg.name_or_path is not None else copy.deepcopy(model)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora.r:
@@ -79,7 +147,7 @@ def build_policy(cfg: ModelConfig, with_reference: bool, seed: int = 0):
 
         model = lora_policy(model, cfg.lora, seed)
         reference = BasePolicy(model) if with_reference else None
-    return tokenizer, model, reference
+    return model, reference
 
 
 def lora_policy(model, cfg: LoraConfig, seed: int):
@@ -160,14 +228,16 @@ def import_named(name: str, key: str, builtins: list[str], kind: str):
                           "directory the run starts from are importable).") from exc
 
 
-def build_rewards(cfgs: list[RewardConfig], max_new_tokens: int | None = None) -> RewardSet:
+def build_rewards(cfgs: list[RewardConfig], max_new_tokens: int | None = None,
+                  model: ModelConfig | None = None) -> RewardSet:
     """The set of ``rewards`` (each entry: a function, a reward model or a reward service, with its limits);
-    ``overlong_penalty`` gets ``max_tokens=max_new_tokens`` unless its kwargs set it."""
-    return RewardSet({c.name: build_reward(c, max_new_tokens) for c in cfgs}, {c.name: c.weight for c in cfgs},
+    ``overlong_penalty`` gets ``max_tokens=max_new_tokens`` unless its kwargs set it; a reward model loads with
+    ``model``'s trust_remote_code and attn_implementation unless its kwargs set them."""
+    return RewardSet({c.name: build_reward(c, max_new_tokens, model) for c in cfgs}, {c.name: c.weight for c in cfgs},
                      {c.name: c.normalize for c in cfgs})
 
 
-def build_reward(c: RewardConfig, max_new_tokens: int | None = None):
+def build_reward(c: RewardConfig, max_new_tokens: int | None = None, model: ModelConfig | None = None):
     """One reward entry as a reward function (see :mod:`grpo_accel.rewards.sources`)."""
     if c.name == "overlong_penalty":
         if "cache_tokens" not in c.kwargs:
@@ -180,7 +250,9 @@ def build_reward(c: RewardConfig, max_new_tokens: int | None = None):
     names = {key: f"rewards[name={c.name}].{key}" for key in ("timeout_s", "fallback", "url", "api_key")}
     if c.name == "reward_model":
         try:
-            return rs.RewardModel(c.name, c.path, batch_size=c.batch_size, dtype=c.dtype, **c.kwargs)
+            loading = {} if model is None else {"trust_remote_code": model.trust_remote_code,
+                                                 "attn_implementation": model.attn_implementation}
+            return rs.RewardModel(c.name, c.path, batch_size=c.batch_size, dtype=c.dtype, **{**loading, **c.kwargs})
         except ValueError as exc:  # not a classifier with its trained head: named with the setting
             raise ConfigError(f"rewards[name=reward_model].path={exc}") from None
     if c.name == "remote":

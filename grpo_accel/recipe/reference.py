@@ -65,7 +65,8 @@ def help_text(width: int = 116) -> str:
              "start):"]
     for key in keys():
         lines.append(f"  {key.name}={key.default}  ({key.type})")
-        lines += textwrap.wrap(key.meaning, width, initial_indent="      ", subsequent_indent="      ")
+        lines += textwrap.wrap(key.meaning, width, initial_indent="      ", subsequent_indent="      ",
+                               break_on_hyphens=False)
     return "\n".join(lines)
 
 

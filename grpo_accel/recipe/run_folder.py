@@ -42,8 +42,8 @@ def start_point(cfg, checkpoint, fingerprints: dict[str, str], first_process: bo
         saved = metadata["user"]
         conflicts = resume_conflicts(saved["config"], to_dict(cfg))
         if conflicts:
-            raise ConfigError(f"checkpoint {resume} was trained with other settings: {conflicts}; resume with the "
-                              "same settings, or start a new run in another output_dir.")
+            raise ConfigError(f"checkpoint {resume} was trained with other settings: {'; '.join(conflicts)}; resume "
+                              "with the same settings, or start a new run in another output_dir.")
         changed = [k for k, v in fingerprints.items() if saved.get("data", {}).get(k, v) != v]
         if changed:
             raise ConfigError(f"checkpoint {resume} was trained on other data: {', '.join(changed)} changed since "
@@ -55,7 +55,9 @@ def start_point(cfg, checkpoint, fingerprints: dict[str, str], first_process: bo
                               f"frames of trainer.total_frames={cfg.trainer.total_frames}; nothing to train (raise "
                               "trainer.total_frames to train on).")
         if differences := changed_settings(saved["config"], to_dict(cfg)):
-            logger.info("resuming %s with settings changed since it was saved: %s", resume, "; ".join(differences))
+            logger.info("resuming %s with %d setting(s) changed since it was saved:", resume, len(differences))
+            for change in differences:
+                logger.info("  %s", change)
         return resume
     if not (found := previous_run_outputs(out)):
         return None

@@ -42,6 +42,10 @@ class LoraConfig:
                   'use "all-linear" or a list of module names such as [q_proj, v_proj].')
 
 
+ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention")
+"""``model.attn_implementation``'s names (transformers' attention functions); a hub kernel is written org/repo."""
+
+
 @dataclass
 class ModelConfig:
     name_or_path: str | None = None
@@ -55,9 +59,22 @@ class ModelConfig:
     intermediate_size: int = 128
     """Built-in model only: MLP width."""
     dtype: str = "float32"
-    """Dtype the weights are loaded in (mixed precision is trainer.mixed_precision)."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward instead of storing them (less memory, ~30% more compute)."""
+    """Dtype the weights are loaded and trained in (float32 keeps full-precision weights under
+    trainer.mixed_precision's autocast); auto: the checkpoint's own (a float16 one loads as float32, since float16
+    weights train without loss scaling)."""
+    gradient_checkpointing: bool | None = None
+    """Recompute activations in backward instead of storing them (less memory, ~30% more compute); null follows
+    the model and the hardware: on for a named model on a CUDA device (TRL's default), off on a CPU and for the
+    built-in model (grpo_accel.recipe.defaults)."""
+    attn_implementation: str | None = None
+    """Attention kernels, as transformers' from_pretrained takes them: sdpa, eager, flash_attention_2 (needs the
+    flash-attn package and a GPU), flash_attention_3, flex_attention, or a hub kernel (org/repo); null:
+    transformers' choice (sdpa where the model supports it)."""
+    trust_remote_code: bool = False
+    """Run the modelling code a model folder or hub repository ships (its config's auto_map), as from_pretrained's
+    trust_remote_code: only for models whose code you trust."""
+    revision: str | None = None
+    """Hub models: the branch, tag or commit to load (from_pretrained's revision); null: the default branch."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapter settings (model.lora.r > 0 turns it on)."""
 
@@ -66,7 +83,11 @@ class ModelConfig:
                     num_heads="positive_count", intermediate_size="positive_count")
         check_key(self.hidden_size % self.num_heads == 0, "model.num_heads", self.num_heads,
                   f"must divide model.hidden_size={self.hidden_size}.")
-        check_choice("model.dtype", self.dtype, TRAINING_DTYPES)
+        check_choice("model.dtype", self.dtype, (*TRAINING_DTYPES, "auto"))
+        check_key(self.attn_implementation is None or self.attn_implementation in ATTENTION_KERNELS
+                  or "/" in self.attn_implementation, "model.attn_implementation", self.attn_implementation,
+                  f"use one of {list(ATTENTION_KERNELS)}, a hub kernel such as kernels-community/flash-attn, or null "
+                  "(transformers' choice).")
 
 
 @dataclass
@@ -214,8 +235,10 @@ class GRPOTrainerConfig:
     """Micro-batches drawn per batch and epoch; null = the whole buffer once per epoch."""
     empty_replay_buffer_on_weight_update: bool = True
     """Empty the replay buffer after each weight push (synchronous, on-policy GRPO)."""
-    mixed_precision: str = "no"
-    """Autocast for forward/backward: no | bf16 | fp16 (fp16 adds a gradient scaler)."""
+    mixed_precision: str | None = None
+    """Autocast for forward/backward: no | bf16 | fp16 (fp16 adds a gradient scaler); null follows the model and the
+    hardware: bf16 for a named model on a CUDA device (fp16 on one without bfloat16), as TRL's default; no on a
+    CPU and for the built-in model (grpo_accel.recipe.defaults)."""
     async_collection: bool = False
     """Generate the next batches in a background thread while optimising (the engine gets its own weights copy)."""
     max_staleness: int | None = 1
@@ -257,7 +280,8 @@ class GRPOTrainerConfig:
                     log_samples="log_samples", max_staleness="max_staleness")
         check_key(self.micro_batch_completions == "auto" or self.micro_batch_completions >= 1,
                   "trainer.micro_batch_completions", self.micro_batch_completions, "must be >= 1 or auto.")
-        check_choice("trainer.mixed_precision", self.mixed_precision, ("no", "bf16", "fp16"))
+        if self.mixed_precision is not None:  # null: filled by GRPOConfig (grpo_accel.recipe.defaults)
+            check_choice("trainer.mixed_precision", self.mixed_precision, ("no", "bf16", "fp16"))
         from grpo_accel.reporting.trackers import TRACKERS
 
         for name in self.report_to:
@@ -324,7 +348,9 @@ class GRPOConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
     def __post_init__(self) -> None:
-        fill_model_defaults(self)  # null settings that follow the model: grpo_accel.recipe.defaults
+        # null settings that follow the model and the hardware (grpo_accel.recipe.defaults); what they took is said
+        # at start (no field: config.yaml records the values themselves)
+        self.followed_defaults = fill_model_defaults(self)
         check_key(bool(self.rewards), "rewards", self.rewards, "list at least one reward function.")
         names = [r.name for r in self.rewards]
         check_key(len(set(names)) == len(names), "rewards", names, "each reward function may appear once.")

@@ -16,6 +16,7 @@ import logging
 import math
 import multiprocessing
 import multiprocessing.connection
+import os
 import time
 from pathlib import Path
 from typing import Callable, Mapping
@@ -245,7 +246,7 @@ class RemoteReward(RewardSource):
 # ------------------------------------------------------------------------------------------ reward models
 
 
-def check_classifier(path: str) -> None:
+def check_classifier(path: str, trust_remote_code: bool = False) -> None:
     """A ValueError unless ``path`` names a sequence-classification model (a local folder, or a hub id where a
     hub is reachable): what it is instead and what is expected, in one line."""
     from transformers import AutoConfig
@@ -256,7 +257,7 @@ def check_classifier(path: str) -> None:
             raise ValueError(f"{path!r} is not a model folder ({'no such path' if not local.exists() else 'no config.json'}); "
                              "name the folder a sequence-classification model was saved in (save_pretrained).")
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:  # neither a folder here nor a model the hub serves
         raise ValueError(f"{path!r} is not a model folder here and could not be read as a hub id "
                          f"({str(exc).splitlines()[0]}); name a sequence-classification model's folder.") from None
@@ -278,22 +279,25 @@ class RewardModel(RewardSource):
     """
 
     def __init__(self, name: str, path: str, *, batch_size: int = 32, dtype: str = "float32", device=None,
-                 output_index: int = 0, scale: float = 1.0, max_length: int = 2048) -> None:
+                 output_index: int = 0, scale: float = 1.0, max_length: int = 2048, trust_remote_code: bool = False,
+                 attn_implementation: str | None = None) -> None:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.name, self.batch_size, self.output_index, self.scale, self.max_length = (name, batch_size, output_index,
                                                                                       scale, max_length)
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        if device is None:  # this process's GPU: built before the Accelerator, where every process's current is 0
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            device = torch.device("cuda", local % torch.cuda.device_count()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        check_classifier(path)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        check_classifier(path, trust_remote_code)
+        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         self.tokenizer.padding_side = "right"
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model, loaded = AutoModelForSequenceClassification.from_pretrained(path, dtype=getattr(torch, dtype),
-                                                                                output_loading_info=True)
+        extra = {"attn_implementation": attn_implementation} if attn_implementation is not None else {}
+        self.model, loaded = AutoModelForSequenceClassification.from_pretrained(
+            path, dtype=getattr(torch, dtype), output_loading_info=True, trust_remote_code=trust_remote_code, **extra)
         if loaded["missing_keys"]:  # a fresh, random head would score every completion at random
             raise ValueError(f"{path!r}: the folder does not hold all of the model's weights (missing "
                              f"{sorted(loaded['missing_keys'])[:3]}), so its head would be random; a reward model "

@@ -6,6 +6,10 @@
 #   bash launch/bench/gpu_check.sh gsm8k [out_dir]    # launch/configs/gsm8k.yaml for 30 batches (needs the hub, or
 #                                               # MODEL=folder DATA=gsm8k-layout.jsonl; evaluation off)
 #   bash launch/bench/gpu_check.sh shared             # the loss's forward+backward: padded vs shared prompts (4-D mask)
+#   bash launch/bench/gpu_check.sh path [out_dir]     # issue 56's figures (launch/bench/gpu_path.py): generation (the
+#                                               # embedded engine, generate, continuous batching), the training phase's
+#                                               # MFU in bf16 + checkpointing, ZeRO-3's peak GPU memory; no installs
+#                                               # beyond tensordict, deepspeed and google-crc32c (carry their wheels)
 #
 # sglang: makes .venv-sglang with sglang==${SGLANG_VERSION:-0.5.23} (it pins its own CUDA torch) and grpo_accel,
 # converts SmolLM2-135M-Instruct (grpo-accel models), starts a server with
@@ -41,7 +45,19 @@ if [ "$mode" = gsm8k ]; then
     'gsm8k recipe:', s['iterations'], 'batches in', s['wall_time_s'], 's, reward', round(s['reward_first10_mean'], 3), \
     '->', round(s['reward_last10_mean'], 3))" "$out/summary.json"
 fi
-[ "$mode" = sglang ] || { echo "usage: bash launch/bench/gpu_check.sh bench|sglang|gsm8k|shared" >&2; exit 2; }
+if [ "$mode" = path ]; then
+  "$python" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
+  out=${2:-runs/gpu_check/path}
+  mkdir -p "$out"
+  "$python" launch/bench/gpu_path.py generate --sizes 0.5b 1.5b
+  "$python" launch/bench/gpu_path.py train --sizes 0.5b 1.5b
+  for checkpointing in true false; do
+    "$python" -m accelerate.commands.launch --config_file accelerate_configs/zero3.yaml --num_processes 1 \
+      launch/bench/gpu_path.py memory --sizes 1.5b --folder "$out" --gradient-checkpointing "$checkpointing"
+  done
+  exit 0
+fi
+[ "$mode" = sglang ] || { echo "usage: bash launch/bench/gpu_check.sh bench|sglang|gsm8k|shared|path" >&2; exit 2; }
 
 verdict() { printf '%-4s  %s\n' "$1" "$2"; }
 gpus=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
