@@ -76,6 +76,27 @@ class Prompts:
                        [self.messages[i] for i in indices])
 
 
+OVERLONG = ("error", "drop", "truncate_left")
+"""What to do with a prompt longer than its limit: refuse it (naming the row), drop its row (verl's
+filter_overlong_prompts), or keep its last tokens."""
+
+
+def fit_prompts(rows: list[dict], prompts: Prompts, max_tokens: int, policy: str,
+                tokenizer) -> tuple[list[dict], Prompts, list[int]]:
+    """(rows, prompts, the rows it changed) with every prompt longer than ``max_tokens`` dropped or, for
+    "truncate_left", cut to its last ``max_tokens`` tokens (its text then the decoded tail; its messages stay whole
+    for the reward functions). "error" changes nothing (:func:`encode_prompts` refused them already)."""
+    over = [i for i, ids in enumerate(prompts.ids) if len(ids) > max_tokens]
+    if policy == "error" or not over:
+        return rows, prompts, over
+    if policy == "drop":
+        kept = [i for i in range(len(rows)) if i not in set(over)]
+        return [rows[i] for i in kept], prompts.take(kept), over
+    ids = [row[-max_tokens:] for row in prompts.ids]
+    texts = [tokenizer.decode(ids[i]) if i in set(over) else text for i, text in enumerate(prompts.texts)]
+    return rows, Prompts(texts, ids, prompts.messages), over
+
+
 def chat_messages(prompt: str | list[dict], system_prompt: str | None) -> list[dict] | None:
     """The conversation of a chat prompt, ``system_prompt`` first unless it starts with its own; None for text."""
     if isinstance(prompt, str):

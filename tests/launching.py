@@ -168,3 +168,29 @@ def launch_training(config: str, script_args: list[str], **kw) -> subprocess.Com
     names the config (so that command is run as written), else with :func:`launch`."""
     runner = launch_as_in_readme if config in README_RUNS_ELSEWHERE else launch
     return runner(config, script_args, **kw)
+
+
+@contextlib.contextmanager
+def reward_server(*args: str):
+    """``launch/reward_server.py --reward answer_match --port P *args`` running, healthy: yields (its base URL, the
+    process); killed at the end."""
+    import time
+    import urllib.request
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "launch" / "reward_server.py"), "--reward", "answer_match",
+                             "--port", str(port), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    try:
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2).read()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-3000:]
+                time.sleep(0.2)
+        yield url, proc
+    finally:
+        proc.kill()
+        proc.wait()

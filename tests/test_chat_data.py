@@ -16,7 +16,7 @@ from grpo_accel.recipe.checks import ConfigError
 from grpo_accel.recipe.dataset import load_rows, validate_rows
 from grpo_accel.recipe.parts import build_rows
 from grpo_accel.recipe.schema import DataConfig
-from grpo_accel.rewards import RewardSet
+from grpo_accel.rewards import RewardSet, text_reward
 from grpo_accel.rollout.collector import GRPOCollector
 from grpo_accel.embedded.engine import EmbeddedEngine
 
@@ -41,6 +41,7 @@ def test_chat_rows_go_through_the_template_with_the_system_prompt_and_reach_rewa
 
     seen = {}
 
+    @text_reward  # the prompts as the model read them (unmarked, chat rows give TRL's messages: test_trl_rewards)
     def spy(prompts, completions, prompt_messages, answer, **fields):
         seen.update(prompts=prompts, prompt_messages=prompt_messages, answer=answer)
         return [0.0] * len(completions)

@@ -57,7 +57,8 @@ def test_dataset_fields_reach_reward_functions(tokenizer, tiny_model):
     c = _collector(tokenizer, tiny_model)
     c.rewards = RewardSet({"spy": spy})
     c.collect()
-    assert set(seen) == {"prompts", "answer", "completion_ids", "finish_reason", "prompt_messages"}
+    assert set(seen) == {"prompts", "answer", "completion_ids", "finish_reason", "prompt_messages", "trainer_state",
+                         "log_extra", "log_metric"}  # TRL's arguments too
     assert seen["prompt_messages"] == [None] * 12  # string prompts have no messages
     assert len(seen["answer"]) == 12 and seen["prompts"][0] == seen["prompts"][2]
     assert [str(eval(p[:-1])) for p in seen["prompts"]] == seen["answer"]
@@ -159,7 +160,10 @@ def test_load_rows_jsonl_and_parquet(tmp_path):
         load_rows(bad)
     with pytest.raises(DataError, match="no such file"):
         load_rows(tmp_path / "missing.jsonl")
-    with pytest.raises(ValueError, match="unknown file type '.csv'"):
+    with pytest.raises(ValueError, match="unknown file type '.txt'"):
+        (tmp_path / "d.txt").write_text("x")
+        load_rows(tmp_path / "d.txt")
+    with pytest.raises(DataError, match=r"d.csv.*: datasets could not read it .*needs a header and at least one row"):
         (tmp_path / "d.csv").write_text("x")
         load_rows(tmp_path / "d.csv")
 

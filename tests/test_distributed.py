@@ -1,11 +1,10 @@
 """ZeRO 0-3 and DDP for real: 2-process ``accelerate launch`` runs on CPU (gloo) against a 1-process run.
 
-Tolerance: keyed sampling makes every process count draw exactly the same completions, so rewards match
-exactly while the weights agree to float32 rounding; losses then differ only by the order of float32
-summation (all-reduce, ZeRO buckets): over 10 steps we measured max 1.7e-8 absolute (5e-6 relative) on the
-loss and 6e-6 relative on the entropy, identical on every stage. We allow
-rtol 1e-4 / atol 1e-6, far below any real divergence (a wrong normaliser is off by a factor of 2).
-"""
+Tolerance: keyed sampling makes every process count draw exactly the same completions, so rewards match exactly
+while the weights agree to float32 rounding; losses then differ only by the order of float32 summation (all-reduce,
+ZeRO buckets): over 10 steps we measured max 1.7e-8 absolute (5e-6 relative) on the loss and 6e-6 relative on the
+entropy, identical on every stage. We allow rtol 1e-4 / atol 1e-6, far below any real divergence (a wrong
+normaliser is off by a factor of 2)."""
 import json
 import os
 import re
@@ -19,13 +18,9 @@ from launching import ROOT, TINY_FOLDER, free_port, launch, launch_training, run
 from trainer_utils import train_in_process
 
 BASE = ["trainer.total_frames=512", "trainer.progress_bar=false"]  # 4 batches of 16 prompts x 8
-
-
-def saved(folder) -> tuple[str, ...]:
-    """Settings that start a run from ``folder``, the built-in tiny Llama saved once (conftest's ``model_dir``): every
-    stage loads the same weights, ZeRO-3 partitioned from the start (zero.Init), the others whole."""
-    return (f"model.name_or_path={folder}", *TINY_FOLDER)
 TAGS = ("train/loss", "train/reward_mean", "train/clip_fraction", "train/entropy")
+saved = lambda folder: (f"model.name_or_path={folder}", *TINY_FOLDER)  # noqa: E731 - every stage from one
+# saved folder (conftest's model_dir, the built-in tiny Llama): ZeRO-3 loads it partitioned (zero.Init), others whole
 
 
 READY = "process group ready: rank {} of 2"
@@ -99,8 +94,7 @@ PREVIOUS_ENGINE = "rollout.decoder=generate"
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, model_dir):
-    return curves(run("single_process.yaml", tmp_path_factory.mktemp("single"), "run", *saved(model_dir),
-                      PREVIOUS_ENGINE))[0]
+    return curves(run("single_process.yaml", tmp_path_factory.mktemp("one"), "run", *saved(model_dir), PREVIOUS_ENGINE))[0]
 
 
 @pytest.mark.parametrize("config, stage, dist_type, extra", [
@@ -147,8 +141,7 @@ LORA = ("model.lora.r=4", "model.lora.alpha=8", "loss.kl_coef=0.05")  # the refe
 
 @pytest.fixture(scope="module")
 def single_lora(tmp_path_factory, model_dir):
-    out = run("single_process.yaml", tmp_path_factory.mktemp("single_lora"), "run", *saved(model_dir), *LORA,
-              PREVIOUS_ENGINE)
+    out = run("single_process.yaml", tmp_path_factory.mktemp("lora"), "run", *saved(model_dir), *LORA, PREVIOUS_ENGINE)
     return (*curves(out), out)
 
 

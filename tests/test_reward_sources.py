@@ -1,9 +1,7 @@
 """Rewards that real tasks need: per-reward scaling, time-limited reward code in worker processes, async reward
 functions, reward services over real HTTP (launch/reward_server.py) and a reward model built in code."""
-import subprocess
 import sys
 import time
-import urllib.request
 
 import psutil
 import pytest
@@ -14,7 +12,7 @@ from grpo_accel.recipe.parts import build_reward
 from grpo_accel.recipe.rollout_schema import RewardConfig
 from grpo_accel.rewards.sources import AsyncReward, RemoteReward, RewardFault, TimedReward
 from grpo_accel.rewards import RewardSet, answer_match, standardise
-from launching import ROOT, free_port, launch, run_in_group
+from launching import ROOT, launch, reward_server as serve_reward, run_in_group
 from trainer_utils import train_in_process
 
 
@@ -95,21 +93,8 @@ def test_async_reward_functions_are_awaited_together_and_time_limited():
 
 @pytest.fixture
 def reward_server():
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "launch" / "reward_server.py"), "--reward", "answer_match",
-                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=2).read()
-            break
-        except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-3000:]
-            time.sleep(0.2)
-    yield url, proc
-    proc.kill()
-    proc.wait()
+    with serve_reward() as served:
+        yield served
 
 
 def test_a_reward_service_scores_as_the_function_does_and_a_stopped_one_is_named(reward_server, tmp_path):

@@ -38,7 +38,7 @@ def _raises(prompts, completions, **_):
     (lambda p, c, **_: ["good", "bad"], r"'f' returned 'good' for completion 0"),
     (lambda p, c, **_: ["1.0", "0.0"], r"'f' returned '1.0' for completion 0 .*strings are refused"),
     (lambda p, c, **_: None, r"'f' returned None \(NoneType\) for 2 completions; it must return a list with one "
-                             r"float per completion"),
+                             r"float \(or None\) per completion"),
     (lambda p, c, **_: 1.0, r"'f' returned 1.0 \(float\) for 2 completions"),
 ])
 def test_a_reward_functions_mistake_names_it_and_the_row(fn, message):

@@ -24,13 +24,19 @@ log = logging.getLogger("grpo_accel.reward_server")
 
 
 def make_app(fn, api_key: str | None = None):
-    """The aiohttp application serving reward function ``fn``."""
+    """The aiohttp application serving reward function ``fn``; with ``api_key``, a request without that bearer
+    token is a 401 (compared in constant time: how much of a guess matched does not show in the answer's time)."""
+    import hmac
+
     from aiohttp import web
 
-    from grpo_accel.rewards import is_async_reward
+    from grpo_accel.rewards import call_reward, is_async_reward
+
+    expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def score(request: web.Request) -> web.Response:
-        if api_key and request.headers.get("Authorization") != f"Bearer {api_key}":
+        if expected is not None and not hmac.compare_digest(request.headers.get("Authorization", "").encode(),
+                                                            expected):
             return web.json_response({"error": "Unauthorized"}, status=401)
         try:
             body = await request.json()
@@ -40,11 +46,12 @@ def make_app(fn, api_key: str | None = None):
         except (ValueError, KeyError, TypeError) as exc:
             return web.json_response({"error": f"not a scoring request: {exc}"}, status=400)
         try:
+            arguments = {"prompts": prompts, "completions": completions, **fields}
             if is_async_reward(fn):
-                values = await fn(prompts, completions, **fields)
+                values = await call_reward(fn, arguments)
             else:  # a blocking function runs beside the event loop, which keeps answering
-                values = await asyncio.to_thread(lambda: list(fn(prompts, completions, **fields)))
-            return web.json_response({"rewards": [float(v) for v in values]})
+                values = await asyncio.to_thread(lambda: list(call_reward(fn, arguments)))
+            return web.json_response({"rewards": [None if v is None else float(v) for v in values]})
         except Exception as exc:  # noqa: BLE001 - the trainer gets the message
             log.exception("scoring failed")
             return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)
@@ -55,6 +62,18 @@ def make_app(fn, api_key: str | None = None):
     app = web.Application(client_max_size=256 * 2**20)
     app.add_routes([web.post("/score", score), web.get("/health", health)])
     return app
+
+
+def loopback(host: str) -> bool:
+    """``host`` is reached from this machine only (localhost, 127.0.0.0/8, ::1)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         parser.exit(2, f"error: {err}\n")
     log.info("serving reward %r at http://%s:%d/score", args.reward, args.host, args.port)
+    if not args.api_key and not loopback(args.host):
+        log.warning("--host %s serves beyond this machine without --api-key: anyone who reaches port %d can ask for "
+                    "scores; start it with --api-key KEY (the trainer's rewards[].api_key)", args.host, args.port)
     web.run_app(make_app(fn, args.api_key), host=args.host, port=args.port, print=None)
     return 0
 

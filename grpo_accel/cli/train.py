@@ -28,7 +28,8 @@ import yaml
 
 from grpo_accel.distributed import first_process
 from grpo_accel.errors import UserError
-from grpo_accel.recipe.loading import load_config, to_dict
+from grpo_accel.recipe.loading import load_config
+from grpo_accel.recipe.secrets import record, redact_text
 from grpo_accel.recipe.run_folder import RunFinished, RunFolderLock
 from grpo_accel.recipe.schema import GRPOConfig
 
@@ -37,7 +38,7 @@ log = logging.getLogger("grpo_accel.train")
 
 def write_config(out: Path, cfg: GRPOConfig) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    (out / "config.yaml").write_text(yaml.safe_dump(record(cfg), sort_keys=False))  # secrets: *** or ${NAME}
 
 
 def quiet_console() -> None:
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from grpo_accel.shipped import find
 
     cfg = load_config(args.config and find("recipe", args.config), args.overrides)
+    sys.argv[1:] = [redact_text(arg) for arg in sys.argv[1:]]  # trackers record the command line (W&B's args)
     configure_threads()
     keep_freed_memory()
     start = time.perf_counter()

@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 LAYOUT_NAMES = {"prompts": "rollout.prompts_per_batch", "group_size": "rollout.group_size",
                 "processes": "the launch's --num_processes", "micro_batch": "trainer.micro_batch_completions",
                 "accumulation": "trainer.gradient_accumulation_steps", "sampled": "trainer.optim_steps_per_batch"}
-COLLECTOR_NAMES = {key: f"rollout.{key}" for key in ("max_new_tokens", "max_prompt_tokens", "environment")}
+COLLECTOR_NAMES = {**{key: f"rollout.{key}" for key in ("max_new_tokens", "max_prompt_tokens", "environment")},
+                   "overlong_prompts": "data.overlong_prompts"}
 SGLANG_NAMES = {"api_key": "rollout.api_key", "admin_api_key": "weight_sync.admin_api_key",
                 "health_timeout_s": "rollout.health_timeout_s", "urls": "rollout.urls",
                 "master_address": "weight_sync.master_address", "master_port": "weight_sync.master_port",
@@ -56,9 +57,9 @@ def build_trainer(cfg: GRPOConfig):
     from grpo_accel.checkpoint import Checkpoint, CheckpointRotation
     from grpo_accel.distributed.deepspeed_files import preflight
     from grpo_accel.distributed import first_process, launch_world_size, make_accelerator
-    from grpo_accel.recipe.loading import to_dict
     from grpo_accel.recipe.parts import build_environment, build_policy, build_rewards, build_rows, build_tokenizer
     from grpo_accel.recipe.run_folder import data_fingerprints, start_point
+    from grpo_accel.recipe.secrets import record
     from grpo_accel.trainer import GRPOTrainer
 
     t, r, c = cfg.trainer, cfg.rollout, cfg.checkpoint
@@ -91,10 +92,11 @@ def build_trainer(cfg: GRPOConfig):
     engine, sender = build_engine_and_sender(cfg, model, tokenizer, accelerator)
     collector = build_collector(cfg, engine, tokenizer, rows, rewards, environment, layout, accelerator.process_index)
     optimizer = build_optimizer(cfg, model)
+    rewards.trainer_state.max_steps = run_steps = run_optimizer_steps(cfg, layout, micro_batch)
     trainer = GRPOTrainer(
         collector=collector, total_frames=t.total_frames, optim_steps_per_batch=t.optim_steps_per_batch,
         loss_module=build_loss(cfg, model, reference), optimizer=optimizer,
-        lr_scheduler=build_scheduler(cfg.optim, optimizer, run_optimizer_steps(cfg, layout, micro_batch)),
+        lr_scheduler=build_scheduler(cfg.optim, optimizer, run_steps),
         weight_sync_sender=sender, weight_update_frequency=t.weight_update_frequency,
         async_collection=t.async_collection, max_staleness=t.max_staleness,
         empty_replay_buffer_on_weight_update=t.empty_replay_buffer_on_weight_update,
@@ -107,7 +109,7 @@ def build_trainer(cfg: GRPOConfig):
         log_rewards=t.log_rewards, log_kl=t.log_kl, log_samples=t.log_samples, accelerator=accelerator,
         checkpoint=checkpoint, save_trainer_interval=c.interval_frames, save_trainer_file=c.legacy_file,
         checkpoint_rotation=CheckpointRotation(c.keep_last, c.keep_best, c.best_metric, c.best_mode),
-        checkpoint_metadata=lambda: {"config": to_dict(cfg), "data": fingerprints,
+        checkpoint_metadata=lambda: {"config": record(cfg), "data": fingerprints,
                                      "trackers": trackers.run_ids() if trackers is not None else {}},
     )
     _register_hooks(trainer, cfg, engine, sender, tokenizer, held_out, rewards)
@@ -130,7 +132,8 @@ def open_run_trackers(cfg: GRPOConfig, resume: Path | None):
     import json
 
     from grpo_accel.checkpoint import Checkpoint
-    from grpo_accel.recipe.loading import flatten_keys, to_dict
+    from grpo_accel.recipe.loading import flatten_keys
+    from grpo_accel.recipe.secrets import record
     from grpo_accel.reporting.trackers import open_trackers
 
     t = cfg.trainer
@@ -138,7 +141,7 @@ def open_run_trackers(cfg: GRPOConfig, resume: Path | None):
         return None
     ids = Checkpoint.read_metadata(resume)["user"].get("trackers", {}) if resume is not None else {}
     config = {k: v if isinstance(v, (bool, int, float, str)) or v is None else json.dumps(v)
-              for k, v in flatten_keys(to_dict(cfg)).items()}
+              for k, v in flatten_keys(record(cfg)).items()}
     return open_trackers(t.report_to, cfg.output_dir, project=t.project, run_name=t.run_name or Path(cfg.output_dir).name,
                          config=config, resuming=resume is not None, run_ids=ids, init_kwargs=t.tracker_kwargs)
 
@@ -160,6 +163,7 @@ def build_collector(cfg: GRPOConfig, engine, tokenizer, rows, rewards, environme
     return GRPOCollector(
         engine, tokenizer, rows, rewards, layout=layout, rank=rank,
         prompt_field=cfg.data.prompt_field, max_prompt_tokens=r.max_prompt_tokens, system_prompt=cfg.data.system_prompt,
+        overlong_prompts=cfg.data.overlong_prompts,
         scale_advantages=lc.scale_advantages, leave_one_out=lc.leave_one_out, seed=cfg.trainer.seed,
         dynamic_sampling=r.dynamic_sampling, max_extra_rounds=r.max_extra_rounds,
         environment=environment, max_turns=r.max_turns, max_episode_tokens=r.max_episode_tokens,
@@ -223,7 +227,15 @@ def warn_unusual_settings(cfg: GRPOConfig, model) -> None:
 
 
 def _register_hooks(trainer, cfg: GRPOConfig, engine, sender, tokenizer, held_out, rewards) -> None:
-    """What the config adds at the trainer's hook stages: colocated servers' memory, held-out evaluation."""
+    """What the config adds at the trainer's hook stages: the reward functions' ``trainer_state``, colocated
+    servers' memory, held-out evaluation."""
+    state = rewards.trainer_state
+
+    def progress(t) -> None:  # what a reward function scoring the next batch sees (TRL's trainer_state)
+        state.global_step, state.frames, state.iterations = t.optim_steps, t.frames, t.iterations
+
+    trainer.register_op("pre_train", progress, "reward_trainer_state_at_start")
+    trainer.register_op("post_optim", progress, "reward_trainer_state")
     if cfg.rollout.colocate:  # the servers free their GPU memory for the optimiser steps; the next push takes it back
         trainer.register_op("pre_optim", lambda _: sender.release_memory(), "release_colocated_servers")
     if cfg.eval.every_iterations:

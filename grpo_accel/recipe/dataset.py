@@ -9,12 +9,13 @@ from typing import Callable, Mapping
 
 from grpo_accel.data import DataError, check_messages
 
-DATASET_FILES = (".jsonl", ".json", ".parquet")
+DATASET_FILES = (".jsonl", ".json", ".parquet", ".csv")
 
 
 def load_rows(path: str | Path, *, name: str | None = None, split: str = "train",
               rename: Mapping[str, str] | None = None, key: str = "data.path") -> list[dict]:
-    """Rows (dicts) of a dataset: a ``.jsonl``/``.json`` (one object per line) or ``.parquet`` file, a folder
+    """Rows (dicts) of a dataset: a ``.jsonl`` or ``.json`` file (one object per line, or one JSON array of
+    them), a ``.csv`` (a header line) or ``.parquet`` file, a folder
     written by ``datasets``' ``save_to_disk`` (its ``split`` when it holds several), or anything
     ``datasets.load_dataset(path, name, split=split)`` reads (a hub id; a folder of data files). ``rename`` maps
     the dataset's column names to the ones used here (e.g. ``{"question": "prompt"}``). ``key`` names the
@@ -37,6 +38,16 @@ def load_rows(path: str | Path, *, name: str | None = None, split: str = "train"
 
 
 def _read_file(path: Path, where: str) -> list[dict]:
+    if path.suffix == ".json" and path.read_text().lstrip().startswith("["):  # one JSON array of row objects
+        try:
+            rows = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where} is not JSON ({exc}); a .json file holds one array of row objects, or one "
+                            "object per line.") from exc
+        if not all(isinstance(row, dict) for row in rows):
+            raise DataError(f"{where} holds a JSON array whose items are not all objects; each must be one row "
+                            '({"prompt": ..., ...}).')
+        return rows
     if path.suffix in (".jsonl", ".json"):
         rows = []
         for lineno, line in enumerate(path.read_text().splitlines(), start=1):
@@ -46,9 +57,19 @@ def _read_file(path: Path, where: str) -> list[dict]:
                 except json.JSONDecodeError as exc:
                     raise DataError(f"{where} line {lineno} is not JSON ({exc}); one object per line.") from exc
         return rows
-    if path.suffix == ".parquet":
-        return list(_datasets(where).Dataset.from_parquet(str(path)))
-    raise DataError(f"{where}: unknown file type {path.suffix!r}; use .jsonl or .parquet, or a dataset folder.")
+    if path.suffix in (".parquet", ".csv"):  # datasets' builders (csv: a header line, numbers read as numbers)
+        datasets = _datasets(where)
+        read = datasets.Dataset.from_parquet if path.suffix == ".parquet" else datasets.Dataset.from_csv
+        try:
+            rows = list(read(str(path)))
+        except (ValueError, OSError) as exc:  # e.g. a CSV with a header and no rows: "corresponds to no data"
+            raise DataError(f"{where}: datasets could not read it ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                            f"); a {path.suffix} file needs a header and at least one row.") from exc
+        if not rows:
+            raise DataError(f"{where} holds no rows; give a file with at least one.")
+        return rows
+    raise DataError(f"{where}: unknown file type {path.suffix!r}; use .jsonl, .json, .csv or .parquet, or a dataset "
+                    "folder.")
 
 
 def _is_saved_dataset(folder: Path) -> bool:

@@ -9,6 +9,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import types
 import typing
@@ -22,6 +23,8 @@ from grpo_accel.recipe.rollout_schema import RewardConfig
 from grpo_accel.recipe.schema import GRPOConfig
 from grpo_accel.recipe.trl_names import trl_hint
 
+log = logging.getLogger(__name__)
+
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> GRPOConfig:
     """Defaults, then the YAML file at ``path`` (if any), then ``key=value`` overrides (values parsed as YAML)."""
@@ -34,12 +37,40 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
+        data = from_trl(data, path)
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not key=value; write e.g. trainer.total_frames=256.")
         _set_dotted(data, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
     return _resolve_paths(_build(GRPOConfig, data, ""))
+
+
+def from_trl(data: dict, path: Path) -> dict:
+    """``data`` itself, or, when it is a ``trl grpo`` config file (:mod:`grpo_accel.recipe.trl_config`), its
+    translation, said once (one line per setting)."""
+    from grpo_accel.recipe.trl_config import is_trl_config, translate
+
+    if not isinstance(data, dict) or not is_trl_config(data):
+        return data
+    from grpo_accel.distributed import first_process, launch_world_size
+
+    settings, lines = translate(data, launch_world_size(), _dataset_rows)
+    if first_process():
+        log.info("%s is a TRL config; read as (TRL's batch arithmetic over %d process(es)):\n  %s", path,
+                 launch_world_size(), "\n  ".join(lines))
+    return settings
+
+
+def _dataset_rows(settings: dict) -> int:
+    """Rows of the training data the translated ``settings`` name (TRL's num_train_epochs counts passes over it)."""
+    from grpo_accel.recipe.dataset import load_rows
+
+    data = settings.get("data", {})
+    if data.get("path") is None:
+        raise ConfigError("num_train_epochs: a TRL config needs dataset_name (a file, a saved folder or a hub id) to "
+                          "count its rows; or give max_steps.")
+    return len(load_rows(data["path"], name=data.get("name"), split=data.get("split", "train"), key="dataset_name"))
 
 
 LOCAL_PATHS = (("model", "name_or_path"), ("data", "path"), ("data", "eval_path"))
@@ -133,7 +164,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         check_key(isinstance(value, (int, float)) and not isinstance(value, bool), key, value, "must be a number.")
         return float(value)
     if tp is str:
-        check_key(isinstance(value, str), key, value, "must be a string." + (
+        from grpo_accel.recipe.secrets import REDACTED, is_secret
+
+        check_key(isinstance(value, str), key, REDACTED if is_secret(key) else value, "must be a string." + (
             " YAML reads no/yes/on/off as false/true: quote it, e.g. 'no'." if isinstance(value, bool) else ""))
         return value
     return value

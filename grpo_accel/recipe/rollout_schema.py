@@ -18,7 +18,8 @@ class RolloutConfig:
     """SGLang: one server URL per engine replica, e.g. [http://10.0.0.2:30000]."""
     api_key: str | None = None
     """SGLang: the servers' --api-key, sent as a bearer token (/generate, /server_info; weight endpoints too when
-    the servers have no --admin-api-key)."""
+    the servers have no --admin-api-key). A secret: ${NAME} reads environment variable NAME; the run's records
+    hold the reference, or *** for a value given here."""
     health_timeout_s: float = 300.0
     """SGLang: how long to wait for every server at start (its /server_info), and again for its /health (a
     one-token generation) before the first batch."""
@@ -130,7 +131,8 @@ class RewardConfig:
     batch_size: int = 32
     """reward_model and remote: completions scored per forward / per request."""
     api_key: str | None = None
-    """remote: sent as a bearer token."""
+    """remote: sent as a bearer token. A secret: ${NAME} reads environment variable NAME; the run's records hold
+    the reference, or *** for a value given here."""
     dtype: str = "float32"
     """reward_model: the dtype it is loaded in (float32, bfloat16, float16)."""
 
@@ -170,7 +172,8 @@ class WeightSyncConfig:
     disk_path: str | None = None
     """disk: folder the servers can read (default output_dir/weights)."""
     admin_api_key: str | None = None
-    """The servers' --admin-api-key: weight, pause and session endpoints need it when a server has one."""
+    """The servers' --admin-api-key: weight, pause and session endpoints need it when a server has one. A secret:
+    ${NAME} reads environment variable NAME; the run's records hold the reference, or *** for a value given here."""
     verify_tensors: int = 2
     """After each update, compare this many parameters (the smallest trained ones: a server lists a whole
     parameter to answer) with /get_weights_by_name, or where the served model does not implement it, a 32-token

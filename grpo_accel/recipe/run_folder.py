@@ -19,7 +19,8 @@ from pathlib import Path
 
 from grpo_accel.errors import UserError
 from grpo_accel.recipe.checks import ConfigError
-from grpo_accel.recipe.loading import changed_settings, resume_conflicts, to_dict
+from grpo_accel.recipe.loading import changed_settings, resume_conflicts
+from grpo_accel.recipe.secrets import record, redact, redact_text
 from grpo_accel.runtime import command_line
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,8 @@ def start_point(cfg, checkpoint, fingerprints: dict[str, str], first_process: bo
     if resume is not None:
         metadata = checkpoint.read_metadata(resume)
         saved = metadata["user"]
-        conflicts = resume_conflicts(saved["config"], to_dict(cfg))
+        saved_settings, settings = redact(saved["config"]), record(cfg)  # secrets compared as recorded: never shown
+        conflicts = resume_conflicts(saved_settings, settings)
         if conflicts:
             raise ConfigError(f"checkpoint {resume} was trained with other settings: {'; '.join(conflicts)}; resume "
                               "with the same settings, or start a new run in another output_dir.")
@@ -54,7 +56,7 @@ def start_point(cfg, checkpoint, fingerprints: dict[str, str], first_process: bo
             raise RunFinished(f"the run in output_dir={str(out)!r} is finished: its checkpoint {resume} holds {frames} "
                               f"frames of trainer.total_frames={cfg.trainer.total_frames}; nothing to train (raise "
                               "trainer.total_frames to train on).")
-        if differences := changed_settings(saved["config"], to_dict(cfg)):
+        if differences := changed_settings(saved_settings, settings):
             logger.info("resuming %s with %d setting(s) changed since it was saved:", resume, len(differences))
             for change in differences:
                 logger.info("  %s", change)
@@ -150,7 +152,7 @@ class RunFolderLock:
     def _me(self) -> dict:
         pid = os.getpid()
         return {"host": socket.gethostname(), "pid": pid, "start": _start_time(pid),
-                "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command_line(pid)}
+                "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": redact_text(command_line(pid))}
 
     def holder(self) -> dict | None:
         try:

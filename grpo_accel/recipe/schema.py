@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from grpo_accel.recipe.checks import check_choice, check_key, check_rules
 from grpo_accel.recipe.defaults import fill_model_defaults
 from grpo_accel.recipe.rollout_schema import RewardConfig, RolloutConfig, WeightSyncConfig
+from grpo_accel.recipe.secrets import expand_secrets
+from grpo_accel.data import OVERLONG
 from grpo_accel.rules import TRAINING_DTYPES
 from grpo_accel.tasks import BUILTIN_TASKS
 
@@ -119,6 +121,10 @@ class DataConfig:
     row_transform: str | None = None
     """"package.module:function" called on every row (a dict, after rename_columns, before answer_format) that
     returns the row to train on: for layouts the settings above do not cover."""
+    overlong_prompts: str = "error"
+    """A prompt longer than rollout.max_prompt_tokens (after the chat template): error (names the row), drop (the
+    row leaves the data, counted and said once at start: verl's filter_overlong_prompts) or truncate_left (the
+    prompt keeps its last max_prompt_tokens tokens, counted and said once)."""
     task: str = "addition"
     """Built-in task when path is None: addition ("3+4=", for the tiny model), chat_arithmetic (two-digit sums
     and differences asked as chat messages, for a pretrained chat model) or calculator (products "What is
@@ -130,6 +136,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_choice("data.task", self.task, tuple(BUILTIN_TASKS))
+        check_choice("data.overlong_prompts", self.overlong_prompts, OVERLONG)
         from grpo_accel.rewards import ANSWER_FORMATS  # the formats reference_answer reads (lazily: it imports torch)
 
         check_choice("data.answer_format", self.answer_format, ANSWER_FORMATS)
@@ -271,7 +278,8 @@ class GRPOTrainerConfig:
     """Trackers' run name; null: the name of output_dir's folder."""
     tracker_kwargs: dict = field(default_factory=dict)
     """Each tracker's own start-up arguments, e.g. {wandb: {entity: my-team, tags: [grpo]}} (Accelerate's
-    init_kwargs)."""
+    init_kwargs); an entry named like a secret (api_key, token, password, ...) is one: ${NAME} reads it from the
+    environment, and the run's records hold *** or the reference."""
 
     def __post_init__(self) -> None:
         check_rules("trainer", self, total_frames="positive_count", num_epochs="positive_count",
@@ -351,6 +359,8 @@ class GRPOConfig:
         # null settings that follow the model and the hardware (grpo_accel.recipe.defaults); what they took is said
         # at start (no field: config.yaml records the values themselves)
         self.followed_defaults = fill_model_defaults(self)
+        # secrets written ${NAME} read from the environment; their references are what the run records
+        self.secret_references = expand_secrets(self)
         check_key(bool(self.rewards), "rewards", self.rewards, "list at least one reward function.")
         names = [r.name for r in self.rewards]
         check_key(len(set(names)) == len(names), "rewards", names, "each reward function may appear once.")

@@ -27,7 +27,7 @@ TRL_NAMES: dict[str, Here] = {
     "num_generations": Here("rollout.group_size", "completions per prompt"),
     "max_completion_length": Here("rollout.max_new_tokens", "tokens"),
     "max_prompt_length": Here("rollout.max_prompt_tokens", "tokens; a longer prompt is an error naming its row, "
-                                                           "never cut"),
+                                                           "or data.overlong_prompts drops or cuts it"),
     "temperature": Here("rollout.temperature"),
     "top_p": Here("rollout.top_p"),
     "top_k": Here("rollout.top_k"),

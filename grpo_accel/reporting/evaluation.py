@@ -67,7 +67,7 @@ class Evaluator:
                "eval/stopped_fraction": float((greedy[batch.FINISH_REASON] == batch.FINISH_STOP).float().mean())}
         for name in self.rewards.names:
             per_prompt = sampled_scores[batch.REWARDS, name].view(n, self.k)  # [P, k]
-            out[f"eval/{name}/greedy_mean"] = float(greedy_scores[batch.REWARDS, name].mean())
+            out[f"eval/{name}/greedy_mean"] = float(greedy_scores[batch.REWARDS, name].nanmean())  # None: left out
             out[f"eval/{name}/pass@{self.k}"] = float((per_prompt >= self.success_threshold).any(-1).float().mean())
         if batch.EPISODE in greedy.keys():
             out |= {f"eval/{key}": value for key, value in episode_scalars(episode_columns(greedy)).items()}

@@ -1,6 +1,8 @@
 """Scalars of a batch, reduced over every process (the trainer logs them under train/)."""
 from __future__ import annotations
 
+import math
+
 import torch
 from tensordict import TensorDict
 
@@ -22,14 +24,15 @@ def rollout_scalars(accelerator, rollout: TensorDict, with_rewards: bool = True)
     ``stats`` (time_<phase> seconds -> time/<phase>) and, for multi-turn episodes, :func:`episode_scalars`, over
     all processes."""
     keys = [batch.REWARD] + [(batch.REWARDS, name) for name in rollout[batch.REWARDS].keys()]
-    # e.g. dynamic sampling's "stats": one value per row, averaged
-    stats = list(rollout["stats"].keys()) if "stats" in rollout.keys() else []
+    # e.g. dynamic sampling's "stats" and the reward functions' logged metrics: one value per row, averaged
+    stats = [("stats", k) for k in rollout["stats"].keys()] if "stats" in rollout.keys() else []
+    stats += [("reward_metrics", k) for k in rollout["reward_metrics"].keys()] if "reward_metrics" in rollout.keys() else []
     columns = [rollout[k].float() for k in keys] + [
         rollout[batch.COMPLETION_MASK].sum(-1).float(),
         (rollout[batch.FINISH_REASON] == batch.FINISH_LENGTH).float(),
         rollout[batch.WEIGHT_VERSION].float(),
         (rollout.get(batch.WEIGHT_VERSION_LAST, rollout[batch.WEIGHT_VERSION]) - rollout[batch.WEIGHT_VERSION]).float(),
-    ] + [rollout["stats", name].float() for name in stats]
+    ] + [rollout[key].float() for key in stats]
     if batch.EPISODE in rollout.keys():
         columns += list(episode_columns(rollout).unbind(1))
     every = accelerator.gather(torch.stack(columns, dim=1).to(accelerator.device))  # [n * processes, k]: one gather
@@ -43,7 +46,7 @@ def rollout_scalars(accelerator, rollout: TensorDict, with_rewards: bool = True)
     }
     if batch.EPISODE in rollout.keys():  # multi-turn: the last columns
         out |= {f"train/{k}": v for k, v in episode_scalars(every[:, -len(EPISODE_COLUMNS):]).items()}
-    for j, name in enumerate(stats, start=n + 4):  # the collector's seconds per phase go under time/
+    for j, (_, name) in enumerate(stats, start=n + 4):  # the collector's seconds per phase go under time/
         out[f"time/{name[5:]}" if name.startswith("time_") else f"train/{name}"] = float(every[:, j].mean())
     if "reward_faults" in rollout.keys():  # counts over every process: completions that got a fallback
         names = sorted(rollout["reward_faults"].keys())
@@ -52,9 +55,10 @@ def rollout_scalars(accelerator, rollout: TensorDict, with_rewards: bool = True)
         out |= {f"train/reward/{k}": float(v) for k, v in zip(names, totals.tolist())}
     if with_rewards:
         out["train/reward_mean"], out["train/reward_std"] = float(every[:, 0].mean()), float(every[:, 0].std())
-        for j, key in enumerate(keys[1:], start=1):
-            out[f"train/reward/{key[1]}_mean"] = float(every[:, j].mean())
-            out[f"train/reward/{key[1]}_std"] = float(every[:, j].std())
+        for j, key in enumerate(keys[1:], start=1):  # a function's None (NaN) rows left out, as TRL's nanmean
+            judged = every[:, j][~every[:, j].isnan()]
+            out[f"train/reward/{key[1]}_mean"] = float(judged.mean()) if judged.numel() else math.nan
+            out[f"train/reward/{key[1]}_std"] = float(judged.std()) if judged.numel() > 1 else 0.0
     return out
 
 
@@ -88,8 +92,9 @@ def sample_rows(rollout: TensorDict, tokenizer, n: int) -> list[dict]:
         prompt = tokenizer.decode(rollout[batch.PROMPT_IDS][i][rollout[batch.PROMPT_MASK][i].bool()])
         completion = tokenizer.decode(rollout[batch.COMPLETION_IDS][i][rollout[batch.COMPLETION_MASK][i].bool()],
                                       skip_special_tokens=True)
+        extra = {k: rollout["extra", k][i] for k in rollout["extra"].keys()} if "extra" in rollout.keys() else {}
         out.append({"prompt": prompt, "completion": completion, "reward": float(rollout[batch.REWARD][i]),
-                    **{name: float(rollout[batch.REWARDS, name][i]) for name in names}})
+                    **{name: float(rollout[batch.REWARDS, name][i]) for name in names}, **extra})
     return out
 
 
@@ -97,7 +102,8 @@ def samples_markdown(rows: list[dict]) -> str:
     """:func:`sample_rows` as Markdown: the reward and each function's value, then prompt and completion as code."""
     parts = []
     for row in rows:
-        terms = ", ".join(f"{k} {v:.3g}" for k, v in row.items() if k not in ("prompt", "completion", "reward"))
+        terms = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"  # log_extra's columns: as text
+                          for k, v in row.items() if k not in ("prompt", "completion", "reward"))
         parts.append(f"**reward {row['reward']:.3g}** ({terms})\n\nprompt:\n\n{_code(row['prompt'])}\n\n"
                      f"completion:\n\n{_code(row['completion'])}")
     return "\n\n---\n\n".join(parts)

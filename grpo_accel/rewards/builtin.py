@@ -6,6 +6,7 @@ import re
 import threading
 from typing import Callable, Sequence
 
+from grpo_accel.rewards.calling import text_reward
 from grpo_accel.rewards.sources import TimedReward
 
 RewardFn = Callable[..., Sequence[float]]
@@ -13,6 +14,7 @@ RewardFn = Callable[..., Sequence[float]]
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
+@text_reward
 def answer_match(prompts: list[str], completions: list[str], answer: list, **fields) -> list[float]:
     """1.0 when the last number in the completion equals the row's ``answer`` numerically, else 0.0 (thousands'
     commas read as people write them: "1,085" is 1085). The answer must be a number: a worked solution such as
@@ -33,6 +35,7 @@ _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 """A comma between digits followed by exactly three more: a thousands' separator ("1,085")."""
 
 
+@text_reward
 def format_match(prompts: list[str], completions: list[str], pattern: str = r"-?\d+", **fields) -> list[float]:
     """1.0 when the whole completion (whitespace-stripped) matches the regex ``pattern`` and it stopped on its
     own (finish reason "stop", not cut by the length limit), else 0.0."""
@@ -41,6 +44,7 @@ def format_match(prompts: list[str], completions: list[str], pattern: str = r"-?
     return [float(r == "stop" and regex.fullmatch(c.strip()) is not None) for c, r in zip(completions, reasons)]
 
 
+@text_reward
 def math_answer(prompts: list[str], completions: list[str], answer: list, strict: bool = False,
                 **fields) -> list[float]:
     """1.0 when the completion's final answer (:func:`final_answer`) is the row's ``answer`` (:func:`same_answer`),
@@ -125,6 +129,7 @@ def soft_overlong_penalty(length: int, max_tokens: int, cache_tokens: int) -> fl
     return (free - length) / cache_tokens if length <= max_tokens else -1.0
 
 
+@text_reward
 def overlong_penalty(prompts: list[str], completions: list[str], completion_ids: list[list[int]], max_tokens: int,
                      cache_tokens: int, **fields) -> list[float]:
     """:func:`soft_overlong_penalty` of each completion's token count; the reward's weight is DAPO's penalty
@@ -134,6 +139,7 @@ def overlong_penalty(prompts: list[str], completions: list[str], completion_ids:
     return [soft_overlong_penalty(len(ids), max_tokens, cache_tokens) for ids in completion_ids]
 
 
+@text_reward
 def env_reward(prompts: list[str], completions: list[str], env_rewards: list[dict], **fields) -> list[float]:
     """The environment's own reward terms of each episode, summed (multi-turn episodes)."""
     return [float(sum(terms.values())) for terms in env_rewards]

@@ -4,32 +4,42 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
+import math
 from collections.abc import Iterable
 from typing import Mapping, Sequence
 
 import torch
-from tensordict import TensorDict
+from tensordict import NonTensorStack, TensorDict
 
 from grpo_accel.advantages import standardised
 from grpo_accel.errors import UserError
 from grpo_accel.rewards.builtin import RewardFn
+from grpo_accel.rewards.calling import (TRAINER_ARGUMENTS, RewardLog, TrainerState, as_messages, call_reward,
+                                        positional_slots, reads_text)
 from grpo_accel.rewards.sources import RewardFault, RewardSource, is_finite_number
 from grpo_accel.rules import check_choice
 
 PROVIDED_FIELDS = ("completion_ids", "finish_reason", "prompt_messages")  # besides the dataset's columns
 EPISODE_FIELDS = ("conversation", "env_rewards")  # multi-turn episodes only
 NORMALIZE = ("none", "group", "batch")
+logger = logging.getLogger(__name__)
 
 
 def standardise(values: torch.Tensor, mode: str, group_size: int | None = None) -> torch.Tensor:  # [N] -> [N]
     """``values`` minus their mean over each group of ``group_size`` contiguous rows ("group") or over all rows
-    ("batch"), divided by that std (population) + 1e-6; "none" leaves them."""
+    ("batch"), divided by that std (population) + 1e-6; "none" leaves them. NaN (a function's None) stays NaN and
+    is left out of its group's mean and std."""
     if mode == "none":
         return values
     if mode == "group" and not group_size:
         raise ValueError("normalize='group' needs the group size")
     x = values.view(-1, group_size) if mode == "group" else values.view(1, -1)
-    return standardised(x, x.mean(1, keepdim=True), sample_std=False, eps=1e-6).reshape(-1)
+    if not x.isnan().any():
+        return standardised(x, x.mean(1, keepdim=True), sample_std=False, eps=1e-6).reshape(-1)
+    mean = x.nanmean(1, keepdim=True)
+    std = (x - mean).square().nanmean(1, keepdim=True).sqrt().nan_to_num(0.0)  # population std of the judged
+    return ((x - mean) / (std + 1e-6)).reshape(-1)
 
 
 def is_async_reward(fn) -> bool:
@@ -66,6 +76,8 @@ class RewardSet:
         if unknown:
             raise ValueError(f"RewardSet: weights name {sorted(unknown)}, which are not reward functions {sorted(fns)}.")
         self.fns = dict(fns)
+        self.trainer_state = TrainerState()  # the run's progress, kept current by whoever runs the set (the recipe)
+        self._warned = False
         self.weights = {name: float(weights.get(name, 1.0)) for name in self.fns}
         self.normalize = {name: (normalize or {}).get(name, "none") for name in self.fns}
         for name, mode in self.normalize.items():
@@ -77,43 +89,72 @@ class RewardSet:
 
     def required_columns(self, provided: Sequence[str] = PROVIDED_FIELDS) -> dict[str, list[str]]:
         """name -> the arguments each function requires beyond prompts, completions and ``provided``: dataset
-        columns it will be called with (e.g. answer_match -> ["answer"])."""
+        columns it will be called with (e.g. answer_match -> ["answer"], TRL's accuracy_reward -> ["solution"])."""
+        known = {"prompts", "completions", *provided, *TRAINER_ARGUMENTS}
         needed = {}
         for name, fn in self.fns.items():
             try:
-                params = list(inspect.signature(fn).parameters.values())[2:]
+                params = list(inspect.signature(fn).parameters.values())
             except (TypeError, ValueError):  # a callable without a readable signature: nothing to check
                 continue
-            needed[name] = [p.name for p in params if p.default is p.empty and p.name not in provided
+            skip = positional_slots(params, known)  # f(p, c, answer): p and c take prompts and completions
+            needed[name] = [p.name for p in params[skip:] if p.default is p.empty and p.name not in known
                             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         return {name: cols for name, cols in needed.items() if cols}
 
     def __call__(self, prompts: list[str], completions: list[str], *, group_size: int | None = None,
                  **fields) -> TensorDict:
-        """``rewards`` (each function's values), ``reward`` (their weighted sum, standardised where asked;
-        ``group_size``: the contiguous rows of a prompt's group) and, for functions that count their faults,
-        ``reward_faults`` (per completion: 1 where a call timed out or failed and got the fallback)."""
+        """``rewards`` (each function's values; NaN where it returned None), ``reward`` (their weighted sum,
+        standardised where asked, each completion's over the functions that judged it; ``group_size``: the
+        contiguous rows of a prompt's group) and, for functions that count their faults, ``reward_faults`` (per
+        completion: 1 where a call timed out or failed and got the fallback); what the functions logged: ``extra``
+        (``log_extra``'s columns) and ``reward_metrics`` (``log_metric``'s means, one value repeated per row).
+        Each function is called as :mod:`grpo_accel.rewards.calling` says."""
         n = len(completions)
-        awaited = self._await_all(prompts, completions, fields)
-        per_fn = {name: self._run(name, fn, prompts, completions, fields, awaited) for name, fn in self.fns.items()}
-        total = sum(self.weights[name] * standardise(r, self.normalize[name], group_size) for name, r in per_fn.items())
-        out = {"rewards": TensorDict(per_fn, batch_size=[n]), "reward": total}
+        log = RewardLog()
+        arguments = {name: self._arguments(fn, prompts, completions, fields, log) for name, fn in self.fns.items()}
+        awaited = self._await_all(arguments)
+        per_fn = {name: self._run(name, fn, arguments[name], awaited) for name, fn in self.fns.items()}
+        weighted = torch.stack([self.weights[name] * standardise(r, self.normalize[name], group_size)
+                                for name, r in per_fn.items()], dim=1)  # [N, F]
+        unjudged = weighted.isnan().all(dim=1)
+        if unjudged.any() and not self._warned:
+            self._warned = True
+            row = int(unjudged.nonzero()[0])
+            logger.warning("no reward function judged completion %d (prompt %r, completion %r): every one returned "
+                           "None, so its reward is 0 (as in TRL); make at least one return a value for every "
+                           "completion (said once)", row, prompts[row][-80:], completions[row][-80:])
+        out = {"rewards": TensorDict(per_fn, batch_size=[n]), "reward": weighted.nansum(dim=1)}
         faults = {f"{name}_{kind}": torch.tensor(counts, dtype=torch.float32)
                   for name, fn in self.fns.items() if isinstance(fn, RewardSource) for kind, counts in fn.faults.items()
                   if len(counts) == n}
         if faults:
             out["reward_faults"] = TensorDict(faults, batch_size=[n])
+        if log.metrics:
+            out["reward_metrics"] = TensorDict({k: torch.full((n,), sum(v) / len(v)) for k, v in log.metrics.items()},
+                                               batch_size=[n])
+        if columns := {k: v for k, v in log.extra.items() if len(v) == n}:
+            out["extra"] = TensorDict({k: NonTensorStack(*map(str, v)) for k, v in columns.items()}, batch_size=[n])
         return TensorDict(out, batch_size=[n])
 
-    def _await_all(self, prompts, completions, fields) -> dict:
+    def _arguments(self, fn, prompts: list[str], completions: list[str], fields: dict, log: RewardLog) -> dict:
+        """What ``fn`` is called with: on chat rows TRL's message lists, unless it reads text."""
+        messages = fields.get("prompt_messages") or [None] * len(prompts)
+        if not reads_text(fn) and any(m is not None for m in messages):
+            prompts = [text if m is None else m for text, m in zip(prompts, messages)]
+            completions = [text if m is None else as_messages([text])[0] for text, m in zip(completions, messages)]
+        return {"prompts": prompts, "completions": completions, **fields, "trainer_state": self.trainer_state,
+                "log_extra": log.log_extra, "log_metric": log.log_metric}
+
+    def _await_all(self, arguments: dict[str, dict]) -> dict:
         """The async functions' values (or exceptions), awaited together."""
         names = [name for name, fn in self.fns.items() if is_async_reward(fn)]
         if not names:
             return {}
 
         async def gather():
-            calls = [self.fns[name](prompts, completions, **fields) for name in names]
-            return await asyncio.gather(*calls, return_exceptions=True)
+            return await asyncio.gather(*[call_reward(self.fns[name], arguments[name]) for name in names],
+                                        return_exceptions=True)
 
         return dict(zip(names, asyncio.run(gather())))
 
@@ -124,47 +165,63 @@ class RewardSet:
                 fn.close()
 
     @staticmethod
-    def _run(name: str, fn: RewardFn, prompts, completions, fields, awaited: dict) -> torch.Tensor:  # -> [N]
+    def _run(name: str, fn: RewardFn, arguments: dict, awaited: dict) -> torch.Tensor:  # -> [N]
+        prompts, completions = arguments["prompts"], arguments["completions"]
         try:
             if name in awaited:
                 if isinstance(awaited[name], BaseException):
                     raise awaited[name]
                 returned = awaited[name]
             else:
-                returned = fn(prompts, completions, **fields)
+                returned = call_reward(fn, arguments)
         except RewardFault:
             raise
         except Exception as exc:
-            row = None if name in awaited else _first_failing_row(fn, prompts, completions, fields)
+            row = None if name in awaited else _first_failing_row(fn, arguments)
             where = "" if row is None else (f" on completion {row} (prompt {prompts[row]!r}, completion "
                                             f"{completions[row]!r})")
             raise RewardError(f"reward function {name!r} raised {type(exc).__name__}: {exc}{where}; fix the "
-                              "function or make it return 0.0 where it cannot score.") from exc
+                              f"function or make it return 0.0 where it cannot score.{_form_hint(fn, arguments, exc)}"
+                              ) from exc
         if isinstance(returned, (str, bytes)) or not isinstance(returned, Iterable):
             raise RewardError(f"reward function {name!r} returned {returned!r} ({type(returned).__name__}) for "
-                              f"{len(completions)} completions; it must return a list with one float per "
+                              f"{len(completions)} completions; it must return a list with one float (or None) per "
                               "completion.")
         values = list(returned)
         if len(values) != len(completions):
             raise RewardError(
                 f"reward function {name!r} returned {len(values)} values for {len(completions)} completions; "
-                "it must return exactly one float per completion."
+                "it must return exactly one float (or None) per completion."
             )
         for i, v in enumerate(values):
-            if not is_finite_number(v):
+            if v is not None and not is_finite_number(v):
                 raise RewardError(
                     f"reward function {name!r} returned {v!r} for completion {i} (prompt {prompts[i]!r}, "
                     f"completion {completions[i]!r}); rewards must be finite numbers (bools count as 0 and 1; "
-                    "strings are refused): fix the function or map failures to a finite value such as 0.0."
+                    "strings are refused), or None where it cannot judge one: fix the function or map failures "
+                    "to a finite value such as 0.0."
                 )
-        return torch.tensor([float(v) for v in values], dtype=torch.float32)
+        return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
 
 
-def _first_failing_row(fn: RewardFn, prompts, completions, fields) -> int | None:
+def _form_hint(fn, arguments: dict, exc: Exception) -> str:
+    """On chat rows a function that failed on TRL's message lists may have been written for text: say both."""
+    completions = arguments["completions"]
+    if reads_text(fn) or not completions or isinstance(completions[0], str) or not isinstance(
+            exc, (TypeError, AttributeError)):
+        return ""
+    return (" On chat rows a function gets TRL's message lists (completions[i] = [{'role': 'assistant', 'content': "
+            "text}], prompts[i] the prompt's messages); a function written for text reads completion[0]['content'], "
+            "or is marked @grpo_accel.rewards.text_reward.")
+
+
+def _first_failing_row(fn: RewardFn, arguments: dict) -> int | None:
     """The first completion that ``fn`` also fails on alone (None: it fails only on the whole batch)."""
-    for i in range(len(completions)):
+    n = len(arguments["completions"])
+    for i in range(n):
+        row = {k: v[i : i + 1] if isinstance(v, list) and len(v) == n else v for k, v in arguments.items()}
         try:
-            fn(prompts[i : i + 1], completions[i : i + 1], **{k: v[i : i + 1] for k, v in fields.items()})
+            call_reward(fn, row)
         except Exception:  # noqa: BLE001 - any failure names the row
             return i
     return None

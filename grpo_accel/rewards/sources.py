@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from grpo_accel.errors import UserError
+from grpo_accel.rewards.calling import call_reward
 from grpo_accel.rules import setting
 
 logger = logging.getLogger(__name__)
@@ -33,9 +34,11 @@ class RewardFault(UserError, RuntimeError):
 
 class RewardSource:
     """What the rewards here share beyond a function's call: the ``faults`` of their last call, per completion
-    (``{"timeouts": [...], "errors": [...]}``), and ``close()`` (stop what they hold; nothing by default)."""
+    (``{"timeouts": [...], "errors": [...]}``), and ``close()`` (stop what they hold; nothing by default). A source
+    that wraps a function (``fn``) takes what that function takes; the others read text (``reads_text``)."""
 
     faults: dict[str, list[int]] = {"timeouts": [], "errors": []}  # replaced (never changed) by each call
+    reads_text = False
 
     def close(self) -> None:
         """Stop what the reward holds (worker processes), once training is over."""
@@ -57,7 +60,8 @@ class AsyncReward(RewardSource):
 
         n = len(completions)
         try:
-            values = await asyncio.wait_for(self.fn(prompts, completions, **fields), self.timeout_s)
+            values = await asyncio.wait_for(call_reward(self.fn, {"prompts": prompts, "completions": completions,
+                                                                  **fields}), self.timeout_s)
         except asyncio.TimeoutError:
             if self.fallback is None:
                 raise RewardFault(f"reward function {self.name!r} took more than {self.timeout_s:g} s "
@@ -91,10 +95,22 @@ def _serve(conn, fn: Callable) -> None:
         except EOFError:
             return
         try:
-            value = list(fn([prompt], [completion], **fields))
+            value = list(call_reward(fn, {"prompts": [prompt], "completions": [completion], **fields}))
             conn.send(("ok", value[0] if len(value) == 1 else f"{len(value)} values for one completion"))
         except Exception as exc:  # noqa: BLE001 - reported to the trainer, which decides
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def _row(fields: dict, row: int, n: int) -> dict:
+    """Row ``row`` of the per-completion fields for a worker process, and the values for all (the trainer's state);
+    not what cannot cross to another process (log_extra, log_metric: a worker's calls are not logged)."""
+    out = {}
+    for key, value in fields.items():
+        if isinstance(value, list) and len(value) == n:
+            out[key] = [value[row]]
+        elif not callable(value):
+            out[key] = value
+    return out
 
 
 class _Worker:
@@ -143,7 +159,7 @@ class TimedReward(RewardSource):
             for w in range(len(self._workers)):
                 if w not in busy and todo:
                     row = todo.pop(0)
-                    self._workers[w].conn.send((prompts[row], completions[row], {k: v[row] for k, v in fields.items()}))
+                    self._workers[w].conn.send((prompts[row], completions[row], _row(fields, row, n)))
                     busy[w] = (row, time.monotonic() + self.timeout_s)
             wait_s = max(0.0, min(deadline for _, deadline in busy.values()) - time.monotonic())
             ready = multiprocessing.connection.wait([self._workers[w].conn for w in busy], timeout=wait_s)
@@ -156,8 +172,8 @@ class TimedReward(RewardSource):
                         status, value = "error", f"its worker process died (exit {self._workers[w].proc.exitcode})"
                         self._replace(w)
                     del busy[w]
-                    if status == "ok" and is_finite_number(value):
-                        values[row] = float(value)
+                    if status == "ok" and (value is None or is_finite_number(value)):
+                        values[row] = None if value is None else float(value)  # None: not judged (TRL's rule)
                         continue
                     message = value if status == "error" else f"returned {value!r}"
                     values[row], errors[row] = self._fail(row, prompts, completions, message), 1
@@ -198,6 +214,8 @@ class RemoteReward(RewardSource):
     ``retries``), a wrong count or a non-finite value: :class:`RewardFault` naming the setting, or ``fallback``
     for the completions concerned (counted)."""
 
+    reads_text = True  # the service's protocol and the model's tokenizer take text
+
     def __init__(self, name: str, url: str, *, timeout_s: float = 30.0, retries: int = 2, batch_size: int = 256,
                  api_key: str | None = None, fallback: float | None = None,
                  names: Mapping[str, str] | None = None) -> None:
@@ -216,17 +234,18 @@ class RemoteReward(RewardSource):
         errors: list[int] = []
         for start in range(0, len(completions), self.batch_size):
             end = min(start + self.batch_size, len(completions))
-            body = {"prompts": prompts[start:end], "completions": completions[start:end],
-                    "fields": {k: v[start:end] for k, v in fields.items()}}
+            body = {"prompts": prompts[start:end], "completions": completions[start:end],  # the per-completion
+                    "fields": {k: v[start:end] for k, v in fields.items()  # fields (not the trainer's state or
+                               if isinstance(v, list) and len(v) == len(completions)}}  # log callbacks)
             try:
                 answer = self.client.post(self.path, json.loads(json.dumps(body, default=str)))
                 got = answer.get("rewards") if isinstance(answer, dict) else None
                 if not isinstance(got, list) or len(got) != end - start:
                     raise ValueError(f"answered {str(answer)[:120]!r}, not {{\"rewards\": [{end - start} floats]}}")
-                bad = [i for i, v in enumerate(got) if not is_finite_number(v)]
+                bad = [i for i, v in enumerate(got) if v is not None and not is_finite_number(v)]
                 if bad:
                     raise ValueError(f"answered {got[bad[0]]!r} for completion {start + bad[0]}")
-                values += [float(v) for v in got]
+                values += [None if v is None else float(v) for v in got]  # None: not judged (TRL's rule)
                 errors += [0] * (end - start)
             except (ServerError, ValueError) as exc:
                 if self.fallback is None:
@@ -277,6 +296,8 @@ class RewardModel(RewardSource):
     Example:
         >>> reward = RewardModel("rm", "runs/my-rm", batch_size=32, dtype="bfloat16")
     """
+
+    reads_text = True  # the service's protocol and the model's tokenizer take text
 
     def __init__(self, name: str, path: str, *, batch_size: int = 32, dtype: str = "float32", device=None,
                  output_index: int = 0, scale: float = 1.0, max_length: int = 2048, trust_remote_code: bool = False,

@@ -12,11 +12,12 @@ from tensordict import TensorDict
 from grpo_accel import batch
 from grpo_accel.advantages import group_advantages
 from grpo_accel.contracts import Collector, RolloutEngine
-from grpo_accel.data import DataError, Prompts, check_columns, encode_prompts
+from grpo_accel.data import OVERLONG, DataError, Prompts, check_columns, encode_prompts, fit_prompts
 from grpo_accel.distributed import any_process
 from grpo_accel.layout import BatchLayout
 from grpo_accel.rewards import EPISODE_FIELDS, PROVIDED_FIELDS, RewardSet
-from grpo_accel.rules import setting
+from grpo_accel.rewards.calling import TRAINER_ARGUMENTS
+from grpo_accel.rules import check_choice, setting
 from grpo_accel.rollout.sampling import group_seeds
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-RESERVED_FIELDS = ("prompts", "completions", *PROVIDED_FIELDS, *EPISODE_FIELDS)
+RESERVED_FIELDS = ("prompts", "completions", *PROVIDED_FIELDS, *EPISODE_FIELDS, *TRAINER_ARGUMENTS)
 TIMED = ("time_generate", "time_score")
 FINISH_NAMES = {code: name for name, code in batch.FINISH_REASONS.items()}
 
@@ -108,7 +109,9 @@ class GRPOCollector(Collector):
         layout: the run's :class:`~grpo_accel.layout.BatchLayout` (prompts per batch, group size, processes).
         rank: the share of each batch this process collects, ``accelerator.process_index`` under several
             processes (the trainer checks it).
-        max_prompt_tokens: a longer prompt (after the chat template) is an error naming its row.
+        max_prompt_tokens: a longer prompt (after the chat template) is an error naming its row, or, by
+            ``overlong_prompts`` (:data:`grpo_accel.data.OVERLONG`), its row is dropped or its prompt cut to its last
+            ``max_prompt_tokens`` tokens (counted and said once).
         system_prompt: prepended as a system message to every chat-formatted prompt (see :mod:`grpo_accel.data`).
         scale_advantages / leave_one_out: see :func:`grpo_accel.advantages.group_advantages`.
         dynamic_sampling: drop groups whose rewards all tie (they carry no gradient) and sample more prompts
@@ -142,6 +145,7 @@ class GRPOCollector(Collector):
         rank: int = 0,
         prompt_field: str = "prompt",
         max_prompt_tokens: int | None = None,
+        overlong_prompts: str = "error",
         system_prompt: str | None = None,
         scale_advantages: bool = True,
         leave_one_out: bool = False,
@@ -168,7 +172,6 @@ class GRPOCollector(Collector):
         self.dynamic_sampling, self.max_extra_rounds, self.sync_any = dynamic_sampling, max_extra_rounds, sync_any
         self.epoch, self.position, self.batches = 0, 0, 0
         self._seconds = dict.fromkeys(TIMED, 0.0)  # this batch's seconds per phase
-        self._order = self._shuffled(0)
         self.episodes: EpisodeRunner | None = None
         if environment is not None:
             from grpo_accel.rollout.episodes import EpisodeRunner
@@ -181,11 +184,25 @@ class GRPOCollector(Collector):
                                 f"{setting(names, 'environment')}, or drop that reward.")
         check_columns(rows, rewards.required_columns(PROVIDED_FIELDS + (EPISODE_FIELDS if environment else ())))
         # every row rendered, tokenised and checked before any batch
+        check_choice(setting(names, "overlong_prompts"), overlong_prompts, OVERLONG, owner="GRPOCollector: ")
+        limit = max_prompt_tokens if overlong_prompts == "error" else None
         if self.episodes is not None:
-            self.prompts = self.episodes.encode(rows, max_tokens=max_prompt_tokens, names=names)
+            encoded = self.episodes.encode(rows, max_tokens=limit, names=names)
         else:
-            self.prompts = encode_prompts(rows, tokenizer, prompt_field=prompt_field, system_prompt=system_prompt,
-                                          max_tokens=max_prompt_tokens, names=names)
+            encoded = encode_prompts(rows, tokenizer, prompt_field=prompt_field, system_prompt=system_prompt,
+                                     max_tokens=limit, names=names)
+        self.rows, self.prompts, changed = (rows, encoded, []) if max_prompt_tokens is None else fit_prompts(
+            rows, encoded, max_prompt_tokens, overlong_prompts, tokenizer)
+        if changed and rank == 0:
+            logger.warning("%s=%s: %s %d of %d rows whose prompts are longer than %s=%d tokens (row %d: %d tokens)",
+                           setting(names, "overlong_prompts"), overlong_prompts,
+                           "dropped" if overlong_prompts == "drop" else "kept the last tokens of", len(changed),
+                           len(rows), setting(names, "max_prompt_tokens"), max_prompt_tokens, changed[0],
+                           len(encoded.ids[changed[0]]))
+        if rows and not self.rows:
+            raise DataError(f"{setting(names, 'overlong_prompts')}=drop dropped every row: all {len(rows)} prompts are "
+                            f"longer than {setting(names, 'max_prompt_tokens')}={max_prompt_tokens}; raise it.")
+        self._order = self._shuffled(0)
         self._warn_unknown_tokens()
         check_context(self.prompts.ids, engine.context_limit, engine.max_new_tokens, max_prompt_tokens, names)
 

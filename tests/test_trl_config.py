@@ -1,0 +1,128 @@
+"""A ``trl grpo`` config file runs as it is (issue 57 item 2): TRL's names read, TRL's batch arithmetic reproduced
+(checked against TRL's own GRPOConfig for the same numbers), steps converted to frames, what has no counterpart
+refused in one line each."""
+import json
+import logging
+
+import pytest
+import yaml
+
+from grpo_accel.recipe.build import batch_layout
+from grpo_accel.recipe.checks import ConfigError
+from grpo_accel.recipe.loading import load_config
+from grpo_accel.recipe.trl_config import TrlLayout, translate
+from trainer_utils import main_in_process
+
+
+def trl_config(monkeypatch, tmp_path, processes: int, **settings):
+    """TRL's own GRPOConfig for ``settings`` over ``processes`` (its world size made so)."""
+    from transformers import TrainingArguments
+    from trl import GRPOConfig
+
+    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: processes))
+    return GRPOConfig(output_dir=str(tmp_path), bf16=False, report_to="none", **settings)
+
+
+@pytest.mark.parametrize("processes, settings", [
+    (1, {}),  # TRL's defaults: 8 per device, accumulation 1, 8 generations
+    (1, {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 4, "num_generations": 8}),
+    (2, {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2, "num_generations": 4,
+         "num_iterations": 2}),
+    (2, {"per_device_train_batch_size": 4, "generation_batch_size": 64, "num_generations": 16,
+         "gradient_accumulation_steps": 2}),
+    (4, {"per_device_train_batch_size": 2, "steps_per_generation": 4, "num_generations": 4}),
+])
+def test_trls_batch_arithmetic_is_reproduced(monkeypatch, tmp_path, processes, settings):
+    theirs = trl_config(monkeypatch, tmp_path, processes, **settings)
+    ours = TrlLayout(settings, processes)
+    assert (ours.generation, ours.steps_per_generation) == (theirs.generation_batch_size, theirs.steps_per_generation)
+    steps = theirs.steps_per_generation * theirs.num_iterations // theirs.gradient_accumulation_steps
+    settings_here, _ = translate({**settings, "max_steps": 3 * steps}, processes, rows=lambda _: 0)
+    cfg = load_config(None, [f"{section}.{k}={json.dumps(v)}" for section, values in settings_here.items()
+                             if isinstance(values, dict) for k, v in values.items() if section != "rewards"])
+    layout, micro_batch = batch_layout(cfg, processes)
+    assert layout.completions == theirs.generation_batch_size and layout.group_size == theirs.num_generations
+    per_batch = layout.optimizer_steps(micro_batch, cfg.trainer.gradient_accumulation_steps, cfg.trainer.num_epochs,
+                                       cfg.trainer.optim_steps_per_batch)
+    assert per_batch == steps  # one collected batch here is one TRL generation, with its optimizer steps
+    assert cfg.trainer.total_frames == 3 * theirs.generation_batch_size  # max_steps=3 generations' steps
+
+
+def test_a_trl_config_that_trl_would_refuse_is_refused_as_trl_would(tmp_path):
+    with pytest.raises(ConfigError, match=r"generation_batch_size=20: TRL needs it divisible by per_device_train_"
+                                          r"batch_size x processes = 8"):
+        translate({"generation_batch_size": 20}, 1, rows=lambda _: 0)
+    with pytest.raises(ConfigError, match="divisible by num_generations=3"):
+        translate({"num_generations": 3}, 1, rows=lambda _: 0)
+
+
+def test_what_has_no_counterpart_is_refused_one_line_each(tmp_path):
+    path = tmp_path / "trl.yaml"
+    path.write_text(yaml.safe_dump({"model_name_or_path": "Qwen/Qwen2.5-0.5B-Instruct", "use_vllm": True,
+                                    "vllm_mode": "server", "load_in_4bit": True, "learning_rate": 1e-6}))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    head, *lines = str(err.value).splitlines()  # in the file's order (safe_dump sorted it)
+    assert head == "a TRL config with settings that have no counterpart here:" and len(lines) == 3
+    assert lines[0] == "  load_in_4bit=True: quantised training is not supported here; drop it"
+    assert lines[1].startswith("  use_vllm=True: vLLM is not an engine here: rollouts come from the trainer's own "
+                               "process (rollout.backend=embedded) or SGLang servers")
+    assert lines[2].startswith("  vllm_mode='server': vLLM is not an engine here")
+
+
+TRL_YAML = """\
+# as written for: trl grpo --config trl_grpo.yaml
+model_name_or_path: {model}
+dataset_name: {data}
+reward_funcs: [get_soft_overlong_punishment, yaml_rewards.reward_len]
+reward_weights: [0.5, 1.0]
+output_dir: {out}
+learning_rate: 3.0e-4
+lr_scheduler_type: cosine
+per_device_train_batch_size: 8
+gradient_accumulation_steps: 2
+num_generations: 4
+max_completion_length: 4
+max_steps: 4
+logging_steps: 1
+save_steps: 2
+beta: 0.04
+epsilon: 0.2
+loss_type: grpo
+bf16: false
+gradient_checkpointing: false
+use_vllm: false
+report_to: none
+"""
+
+
+def test_a_trl_grpo_file_trains_with_trls_layout(tmp_path, monkeypatch, model_dir, caplog):
+    """TRL counts 4 optimizer steps of 8 completions x 2 accumulated per device: a generation of 16 completions
+    (4 prompts x 4) each step. The same here: 4 batches of 16, one optimizer step each, checkpoints every 2."""
+    (tmp_path / "yaml_rewards.py").write_text("def reward_len(completions, **kwargs):\n"
+                                            "    return [-abs(4 - len(c)) / 4 for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                            for a in range(3) for b in range(3)))
+    out = tmp_path / "run"
+    config = tmp_path / "trl_grpo.yaml"
+    config.write_text(TRL_YAML.format(model=model_dir, data=data, out=out))
+    with caplog.at_level(logging.INFO):
+        assert main_in_process("train", ["--config", str(config), "trainer.progress_bar=false"]) == 0
+    said = next(r.getMessage() for r in caplog.records if "is a TRL config" in r.getMessage())
+    assert "max_steps=4 optimizer steps (1 per generation of 16 completions) -> trainer.total_frames=64" in said
+    assert ("reward_funcs, reward_weights -> rewards=[{'name': 'overlong_penalty', 'kwargs': {'max_tokens': 1280, "
+            "'cache_tokens': 256}, 'weight': 0.5}, {'name': 'yaml_rewards:reward_len', 'weight': 1.0}]") in said
+    saved = yaml.safe_load((out / "config.yaml").read_text())  # the resolved grpo_accel config
+    assert (saved["rollout"]["prompts_per_batch"], saved["rollout"]["group_size"]) == (4, 4)
+    assert (saved["trainer"]["total_frames"], saved["trainer"]["micro_batch_completions"],
+            saved["trainer"]["gradient_accumulation_steps"]) == (64, 8, 2)
+    assert (saved["optim"]["scheduler"], saved["loss"]["aggregation"], saved["loss"]["kl_coef"]) == (
+        "cosine", "seq_mean_token_mean", 0.04)
+    assert saved["loss"]["clip_eps_high"] == 0.2 and saved["optim"]["betas"] == [0.9, 0.999]
+    assert saved["trainer"]["seed"] == 42 and saved["trainer"]["report_to"] == []
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["iterations"] == 4
+    steps = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert steps[-1] == "step_00000004" and "step_00000002" in steps  # save_steps=2: every 32 frames
