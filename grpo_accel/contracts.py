@@ -250,7 +250,13 @@ class Logger(ABC):
 
     def flush(self) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, outcome: str = "finished") -> None:
+        """The end of the run: ``outcome`` is how it ended, one of ``OUTCOMES`` (trackers that keep a run's status,
+        W&B's and MLflow's, record it)."""
+
+
+OUTCOMES = ("finished", "failed", "killed")
+"""How a run ends: trained to its end (or stopped by a hook), stopped by an error, stopped by a signal."""
 
 
 class _UpdateWeightsSender(WeightSender):

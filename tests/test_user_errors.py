@@ -226,7 +226,9 @@ def test_export_errors_are_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "grpo_accel.cli", "export", str(tmp_path), str(tmp_path / "out")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == f"error: {tmp_path} is not a complete checkpoint (no COMPLETE marker)."
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {tmp_path} is neither a complete checkpoint (no COMPLETE marker) nor a run folder holding one "
+        "(output_dir/checkpoints/step_*); give a run's output_dir or one of its checkpoints.")
 
 
 def test_paths_are_kept_resolved_so_a_resume_compares_the_files(tmp_path, monkeypatch):

@@ -229,12 +229,12 @@ def test_the_gsm8k_recipe_runs_at_a_tiny_scale_on_gsm8k_rows(tmp_path, smollm2):
         f"model.name_or_path={smollm2}", f"data.path={data}", "data.eval_split=null", "eval.every_iterations=0",
         "rollout.prompts_per_batch=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
         "trainer.total_frames=8", "trainer.mixed_precision='no'", "trainer.progress_bar=false",
-        "model.gradient_checkpointing=false"]) == 0
+        "model.gradient_checkpointing=false", "optim.warmup_steps=1"]) == 0  # its 10 in a 2-step run: refused
     summary = json.loads((out / "summary.json").read_text())
     assert summary["iterations"] == 2
     scalars = read_scalars(out / "tensorboard")
     assert len(scalars["train/reward/math_answer_mean"]) == 2
-    assert [v for _, v in scalars["train/lr"]] == [0.0, pytest.approx(1e-7)]  # warmup 10: 0, then 1/10 of 1e-6
+    assert [v for _, v in scalars["train/lr"]] == [0.0, pytest.approx(1e-6)]  # warmup 1: 0, then the cosine's top
     sample = read_texts(out / "tensorboard")["samples"][0][1]
     assert "<|im_start|>user\n    Natalia sold clips" in sample or "<|im_start|>user\n    A shop sold" in sample
     assert 'after "####".' in sample

@@ -89,8 +89,33 @@ def train(argv: list[str]) -> int:
         return 2
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     launch += ["--num_processes", str(ours.num_processes)] if ours.num_processes else []
-    os.execv(sys.executable, [*launch, "-m", "grpo_accel.cli.train", *rest])
-    return 0  # not reached
+    return launch_with_last_line([*launch, "-m", "grpo_accel.cli.train", *rest])
+
+
+def launch_with_last_line(command: list[str]) -> int:
+    """Run Accelerate's launcher (``command``) to its end, its output passing through as it comes; then, when it
+    failed, say the trainer's closing line once more (its error, or how it stopped), so that it is the last on
+    screen, below what the launcher adds after it (a KeyboardInterrupt traceback, torch elastic's failure report);
+    one that failed with no line of ours (a process killed) ends with a line saying so. Returns its exit code."""
+    import signal
+    import subprocess
+    import tempfile
+
+    from grpo_accel.cli.train import LAST_LINE
+
+    with tempfile.NamedTemporaryFile("r", prefix="grpo-accel-last-line-", suffix=".txt") as last:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; we wait
+        try:
+            code = subprocess.call(command, env={**os.environ, LAST_LINE: last.name})
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        lines = [line for line in last.read().splitlines() if line.strip()]
+    if lines and code != 0:  # a clean stop exits 0, after which the launcher says nothing
+        print(lines[-1], file=sys.stderr, flush=True)
+    elif code != 0:
+        print(f"error: the launch failed (exit code {code}) with no error of the trainer's: a process was killed or "
+              "crashed; its output above says which", file=sys.stderr, flush=True)
+    return code
 
 
 if __name__ == "__main__":

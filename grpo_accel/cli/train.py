@@ -113,11 +113,16 @@ def run(cfg: GRPOConfig, start: float) -> int:
         write_config(out, cfg)
     from tqdm.contrib.logging import logging_redirect_tqdm
 
+    outcome = "failed"  # unless train() returns: an error, or a signal it did not catch (a second Ctrl-C)
     try:
         with logging_redirect_tqdm():  # log lines print above the progress bar, which stays one line
             trainer.train()
+        outcome = "killed" if (trainer.stop_reason or "").startswith("received SIG") else "finished"
+    except KeyboardInterrupt:
+        outcome = "killed"
+        raise
     finally:
-        close_parts(trainer)
+        close_parts(trainer, outcome)
     trainer.accelerator.wait_for_everyone()
     if main_process:
         if resuming:
@@ -128,8 +133,8 @@ def run(cfg: GRPOConfig, start: float) -> int:
         saved = trainer.checkpoint.complete() if trainer.checkpoint is not None else []
         log.info("%s", human_summary(summary, trainer.frames, saved[-1] if saved else None, out))
         if trainer.stop_reason is not None and saved:
-            log.warning("stopped (%s) after %d frames, saved in %s; to continue, run the same command with "
-                        "checkpoint.resume=auto", trainer.stop_reason, trainer.frames, saved[-1])
+            said(f"stopped ({trainer.stop_reason}) after {trainer.frames} frames, saved in {saved[-1]}; to continue, "
+                 "run the same command with checkpoint.resume=auto", log.warning)
     trainer.accelerator.end_training()
     return 0
 
@@ -170,7 +175,7 @@ def main_reporting_errors(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C outside training (there it is a clean stop): while starting, e.g. waiting
         logging.shutdown()  # for a server; nothing was trained, so there is nothing to save
         if first_process():
-            print("stopped (Ctrl-C) before training began; nothing was trained or saved", file=sys.stderr, flush=True)
+            said("stopped (Ctrl-C) before training began; nothing was trained or saved")
         return 130
     except UserError as err:
         import torch.distributed as dist
@@ -182,12 +187,29 @@ def main_reporting_errors(argv: list[str] | None = None) -> int:
         line = f"error (rank {os.environ.get('RANK', '0')} of {world}): {err}" if grouped else f"error: {err}"
         if first_process() or grouped:
             logging.shutdown()  # pending log lines first: this one stays last
-            print(line, file=sys.stderr, flush=True)
+            said(line)
         if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
             Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
         if not grouped and not first_process():
             time.sleep(3)  # rank 0 fails first and says it: the launcher stops the others at the first failure
         return 2
+
+
+LAST_LINE = "GRPO_ACCEL_LAST_LINE_FILE"
+"""Set by ``grpo-accel train --accelerate-config``: a file each process appends its closing line to (an error, or
+how it stopped), which the command prints again once the launcher has said its own."""
+
+
+def said(line: str, log_with=None) -> None:
+    """``line`` as the process's closing line: on stderr (through ``log_with``, a logging call, when given) and, under
+    ``grpo-accel train --accelerate-config``, in its ``LAST_LINE`` file."""
+    if log_with is not None:
+        log_with("%s", line)
+    else:
+        print(line, file=sys.stderr, flush=True)
+    if path := os.environ.get(LAST_LINE):
+        with open(path, "a") as f:
+            f.write(line.replace("\n", " ") + "\n")
 
 
 def script_main(argv: list[str] | None = None) -> None:

@@ -16,6 +16,7 @@ import copy
 import logging
 from pathlib import Path
 
+from grpo_accel.distributed import first_process
 from grpo_accel.layout import BatchLayout
 from grpo_accel.recipe.checks import ConfigError
 from grpo_accel.recipe.schema import GRPOConfig
@@ -29,7 +30,7 @@ LAYOUT_NAMES = {"prompts": "rollout.prompts_per_batch", "group_size": "rollout.g
                 "processes": "the launch's --num_processes", "micro_batch": "trainer.micro_batch_completions",
                 "accumulation": "trainer.gradient_accumulation_steps", "sampled": "trainer.optim_steps_per_batch"}
 COLLECTOR_NAMES = {**{key: f"rollout.{key}" for key in ("max_new_tokens", "max_prompt_tokens", "environment")},
-                   "overlong_prompts": "data.overlong_prompts"}
+                   "overlong_prompts": "data.overlong_prompts", "prompts_per_batch": "rollout.prompts_per_batch"}
 SGLANG_NAMES = {"api_key": "rollout.api_key", "admin_api_key": "weight_sync.admin_api_key",
                 "health_timeout_s": "rollout.health_timeout_s", "urls": "rollout.urls",
                 "master_address": "weight_sync.master_address", "master_port": "weight_sync.master_port",
@@ -56,7 +57,7 @@ def build_trainer(cfg: GRPOConfig):
 
     from grpo_accel.checkpoint import Checkpoint, CheckpointRotation
     from grpo_accel.distributed.deepspeed_files import preflight
-    from grpo_accel.distributed import first_process, launch_world_size, make_accelerator
+    from grpo_accel.distributed import launch_world_size, make_accelerator
     from grpo_accel.recipe.parts import build_environment, build_policy, build_rewards, build_rows, build_tokenizer
     from grpo_accel.recipe.run_folder import data_fingerprints, start_point
     from grpo_accel.recipe.secrets import record
@@ -69,16 +70,17 @@ def build_trainer(cfg: GRPOConfig):
     checkpoint = Checkpoint(Path(cfg.output_dir) / "checkpoints", resume=c.resume,
                             names={"resume": "checkpoint.resume"})
     fingerprints = data_fingerprints(cfg.data)  # read once: a resume compares them, every checkpoint records them
-    resume = start_point(cfg, checkpoint, fingerprints, first_process())
     check_report_to(t.report_to)
     rows, held_out = build_rows(cfg.data)
     if cfg.eval.every_iterations and not held_out:
         raise ConfigError(f"eval.every_iterations={cfg.eval.every_iterations}: there are no held-out rows; set "
                           "data.holdout (built-in task), data.eval_path or data.eval_split, or "
                           "eval.every_iterations=0.")
+    tokenizer = build_tokenizer(cfg.model)
+    fit_unset_budget(cfg, tokenizer, rows)  # before the settings are compared with a checkpoint's
+    resume = start_point(cfg, checkpoint, fingerprints, first_process())
     rewards = build_rewards(cfg.rewards, r.max_new_tokens, cfg.model)  # a bad reward module, environment or model
     environment = build_environment(r, cfg.data)  # folder: refused before any process group starts
-    tokenizer = build_tokenizer(cfg.model)
     accelerator = make_accelerator(t.gradient_accumulation_steps, t.mixed_precision)
     log.info("process group ready: rank %d of %d (%s)", accelerator.process_index, accelerator.num_processes,
              accelerator.distributed_type.name)
@@ -114,6 +116,34 @@ def build_trainer(cfg: GRPOConfig):
     )
     _register_hooks(trainer, cfg, engine, sender, tokenizer, held_out, rewards)
     return trainer
+
+
+def fit_unset_budget(cfg: GRPOConfig, tokenizer, rows: list[dict]) -> None:
+    """An unset ``rollout.max_new_tokens`` (TRL's 256 for a named model) that would not fit after the longest prompt
+    in the model's context follows the model there too: what the context leaves, said in a line. A value set
+    anywhere is kept (and refused, naming it, if it does not fit)."""
+    from grpo_accel.data import encode_prompts
+    from grpo_accel.recipe.defaults import fitted_budget
+
+    r, m = cfg.rollout, cfg.model
+    if "rollout.max_new_tokens" not in cfg.followed_defaults.values or m.name_or_path is None or r.backend != "embedded" \
+            or r.environment is not None:
+        return
+    from transformers import AutoConfig
+
+    context = getattr(AutoConfig.from_pretrained(m.name_or_path, trust_remote_code=m.trust_remote_code,
+                                                 revision=m.revision), "max_position_embeddings", None)
+    if context is None or r.max_new_tokens + r.max_prompt_tokens <= context:  # fits whatever the prompts are
+        return
+    longest = max(len(ids) for ids in encode_prompts(rows, tokenizer, prompt_field=cfg.data.prompt_field,
+                                                     system_prompt=cfg.data.system_prompt).ids)
+    fitted = fitted_budget(r.max_new_tokens, context, longest)
+    if fitted != r.max_new_tokens:
+        if first_process():
+            log.info("rollout.max_new_tokens (unset) follows the model: %d, what its %d positions leave after the "
+                     "longest prompt (%d tokens), not the default %d; set it to choose", fitted, context, longest,
+                     r.max_new_tokens)
+        r.max_new_tokens = cfg.followed_defaults.values["rollout.max_new_tokens"] = fitted
 
 
 def check_report_to(names: list[str]) -> None:
@@ -202,6 +232,11 @@ def build_scheduler(o, optimizer, total_steps: int):
     from grpo_accel.recipe.schema import SCHEDULERS
 
     warmup = o.warmup(total_steps)
+    if warmup and warmup >= total_steps:
+        key = "optim.warmup_steps" if o.warmup_steps else "optim.warmup_ratio"
+        raise ConfigError(f"{key}={o.warmup_steps or o.warmup_ratio}: a warmup of {warmup} optimizer steps in a run of "
+                          f"{total_steps} never reaches optim.lr={o.lr:g}; warm up over fewer steps than the run has "
+                          "(a tenth is usual), or train longer (trainer.total_frames).")
     if o.scheduler == "constant" and not warmup:
         return None
     from transformers import get_scheduler
@@ -248,13 +283,14 @@ def _register_hooks(trainer, cfg: GRPOConfig, engine, sender, tokenizer, held_ou
         trainer.register_op("post_iteration", evaluator, "evaluate")
 
 
-def close_parts(trainer) -> None:
+def close_parts(trainer, outcome: str = "finished") -> None:
     """Release what a built trainer's parts hold: SGLang's weight-update group, decode and reward workers, and
-    (the main process's only) the event files, complete also after an error."""
+    (the main process's only) the event files, complete also after an error; the trackers' runs end as ``outcome``
+    (:data:`grpo_accel.contracts.OUTCOMES`)."""
     trainer.weight_sync_sender.close()
     trainer.collector.close()
     if trainer.logger is not None:
-        trainer.logger.close()
+        trainer.logger.close(outcome)
 
 
 def build_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):

@@ -110,6 +110,12 @@ def _get(cfg, key: str) -> Any:
     return getattr(getattr(cfg, section), name)
 
 
+def fitted_budget(default: int, context: int, longest_prompt: int) -> int:
+    """An unset completion budget on a model of ``context`` positions: ``default``, or less where the longest
+    prompt leaves less (at least 1: a prompt that fills the context is the data's error, named by the collector)."""
+    return max(1, min(default, context - longest_prompt))
+
+
 PRETRAINED_PARAMETERS = 10_000_000
 """A model above this many parameters is treated as pretrained by :func:`unusual_settings` (the built-in one
 has ~0.1M)."""

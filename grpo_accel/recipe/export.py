@@ -63,7 +63,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
 
     from grpo_accel.lora import is_lora, merged_model
 
-    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    checkpoint, out_dir = newest_checkpoint(Path(checkpoint)), Path(out_dir)
     check_target(out_dir, replace)
     model = load_policy(checkpoint)
     if adapter and not is_lora(model):
@@ -130,6 +130,22 @@ def staged_folder(out_dir: Path):
             shutil.rmtree(staging, ignore_errors=True)
 
 
+def newest_checkpoint(path: Path) -> Path:
+    """``path`` when it is a checkpoint; for a run's folder (or its ``checkpoints/``) its newest complete checkpoint,
+    said in a line; else a CheckpointError saying what to give."""
+    if (path / MARKER).is_file():
+        return path
+    from grpo_accel.checkpoint import Checkpoint
+
+    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    complete = Checkpoint(folder).complete() if folder.is_dir() else []
+    if not complete:
+        raise CheckpointError(f"{path} is neither a complete checkpoint (no {MARKER} marker) nor a run folder holding "
+                              "one (output_dir/checkpoints/step_*); give a run's output_dir or one of its checkpoints.")
+    logging.getLogger(__name__).info("exporting %s, the newest complete checkpoint of %s", complete[-1], path)
+    return complete[-1]
+
+
 def load_policy(checkpoint: Path):
     """The checkpoint's policy with its trained weights, on CPU in float32: a transformers model, or for a LoRA run
     (whose checkpoint holds only the adapter) the PEFT model over the base the run trained from."""
@@ -180,7 +196,8 @@ def _lora_policy(checkpoint: Path, adapter_state: dict):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", help="a checkpoint folder (output_dir/checkpoints/step_*)")
+    parser.add_argument("checkpoint", help="a checkpoint folder (output_dir/checkpoints/step_*), or a run's "
+                                           "output_dir: its newest complete checkpoint")
     parser.add_argument("out_dir", help="where to write the Hugging Face model folder")
     parser.add_argument("--dtype", choices=DTYPES, help="cast the weights")
     parser.add_argument("--adapter", action="store_true",
@@ -188,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replace", action="store_true",
                         help="out_dir may hold files (an earlier export): it is replaced whole")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # export runs on the CPU: DeepSpeed's notice that it does, unsaid
     try:
         export_checkpoint(args.checkpoint, args.out_dir, args.dtype, adapter=args.adapter, replace=args.replace)
     except CheckpointError as err:  # names the checkpoint and the fix: one line on stderr, exit 2, no traceback

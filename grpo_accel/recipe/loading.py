@@ -9,6 +9,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 import re
 import types
@@ -43,7 +44,34 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not key=value; write e.g. trainer.total_frames=256.")
         _set_dotted(data, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    if problems := key_problems(GRPOConfig, data, ""):  # every unknown key at once, not one per run
+        raise ConfigError(problems[0] if len(problems) == 1 else
+                          f"{len(problems)} settings are not keys here:\n  " + "\n  ".join(problems))
     return _resolve_paths(_build(GRPOConfig, data, ""))
+
+
+def key_problems(cls, data: Any, prefix: str) -> list[str]:
+    """One line per key of ``data`` (and of its sections and reward entries) that ``cls`` has not: renamed, TRL's
+    name, or a likely misspelling (did you mean ...?)."""
+    if not isinstance(data, dict):
+        return []  # _build names what is not a mapping
+    hints, names = typing.get_type_hints(cls), [f.name for f in dataclasses.fields(cls)]
+    out = []
+    for key, value in data.items():
+        if f"{prefix}{key}" in RENAMED:
+            new = RENAMED[f"{prefix}{key}"]
+            out.append(f"{prefix}{key}: renamed {new} (the same setting); write {new} instead.")
+        elif key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.75)
+            guess = f" did you mean {prefix}{close[0]}?" if close else ""
+            out.append(f"{prefix}{key}: unknown key;{guess}{trl_hint(key) or ''} valid keys under "
+                       f"{prefix.rstrip('.') or 'the top level'}: {names}.")
+        elif dataclasses.is_dataclass(hints[key]):
+            out += key_problems(hints[key], value, f"{prefix}{key}.")
+        elif key == "rewards" and isinstance(value, list):
+            for i, entry in enumerate(value):
+                out += key_problems(RewardConfig, entry, f"{prefix}rewards[{i}].")
+    return out
 
 
 def from_trl(data: dict, path: Path) -> dict:

@@ -45,12 +45,15 @@ def build_tokenizer(cfg: ModelConfig):
     elif _looks_like_a_path(cfg.name_or_path):
         raise ConfigError(f"{key}: no such folder (cwd {Path.cwd()}); point it at a model folder written by "
                           "save_pretrained, e.g. grpo-accel models smollm2-135m runs/smollm2-135m.")
+    no_tokenizer = (f"{local} has no tokenizer files (tokenizer.json or tokenizer_config.json and its vocabulary); "
+                    f"save them beside the model with tokenizer.save_pretrained('{local}')")
+    if local.is_dir() and not any((local / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"{key}: {no_tokenizer}.")  # transformers would build an empty one from config.json alone
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, padding_side="left",
                                                   trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
     except (OSError, ValueError) as exc:
-        where = (f"{local} has no tokenizer files (tokenizer.json or tokenizer_config.json and its vocabulary); save "
-                 f"them beside the model with tokenizer.save_pretrained('{local}')") if local.exists() else (
+        where = no_tokenizer if local.exists() else (
                  "it is no folder here, and loading it as a Hugging Face hub id failed; use a model folder, or a "
                  "hub id on a machine that reaches the hub")
         raise ConfigError(f"{key}: {where} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}).") from exc
@@ -124,6 +127,9 @@ def load_pretrained(auto_class, name: str, kwargs: dict, key: str):
         raise
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+"""A tokenizer's files in a model folder, one of which must be there (save_pretrained writes the first two)."""
 WEIGHT_FILES = ("model.safetensors", "model-*.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model-*.bin", "pytorch_model.bin.index.json")
 """What transformers' from_pretrained loads weights from in a folder (safetensors, sharded or not; PyTorch bins)."""
@@ -183,6 +189,10 @@ def build_rows(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
         path, key = (cfg.eval_path, "data.eval_path") if cfg.eval_path is not None else (cfg.path, "data.path")
         if path is None:
             raise ConfigError(f"data.eval_split={cfg.eval_split!r}: the built-in task has no splits; set data.holdout.")
+        if cfg.eval_path is None and Path(path).expanduser().is_file():  # its one split is the training rows
+            raise ConfigError(f"data.eval_split={cfg.eval_split!r}: data.path={path!r} is one file, which has no "
+                              "splits: its held-out rows would be the training rows. Give the held-out rows as "
+                              "data.eval_path=FILE, or set data.eval_split=null (and eval.every_iterations=0).")
         split = cfg.eval_split or "train"
         held_out = load_rows(path, name=cfg.name, split=split, rename=cfg.rename_columns, key=key)
         held_out = prepare_rows(held_out, cfg, f"{key}={path!r} (split {split!r})")

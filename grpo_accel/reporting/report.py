@@ -54,6 +54,8 @@ def read_runs(run_dirs: list[Path]) -> dict[str, dict[str, Series]]:
 
     runs = {}
     for run in run_dirs:
+        if not run.is_dir():
+            raise ReportError(f"{run}: no such folder; give a run's output_dir.")
         events = run / "tensorboard"
         if not any(events.glob("events.out.tfevents.*")):
             raise ReportError(f"{run}: no event files in {events}; give a run's output_dir (it holds tensorboard/).")
@@ -64,7 +66,11 @@ def read_runs(run_dirs: list[Path]) -> dict[str, dict[str, Series]]:
 
 def draw(runs: dict[str, dict[str, Series]]):
     """One figure, a panel per quantity any run logged; a line per (run, tag). Returns the matplotlib Figure."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ReportError("grpo-accel report draws with matplotlib, which is not installed here: pip install "
+                          "'grpo_accel[report]'.") from None
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
@@ -128,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="where to write report.png and report.md (default: the first run's folder)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("tensorboard").setLevel(logging.WARNING)  # its "No path found after ..." once per run
     try:
         report(args.runs, args.out)
     except ReportError as err:

@@ -46,6 +46,19 @@ def check_trackers(names: list[str], setting_names: Mapping[str, str] | None = N
                               f"{install}, or leave {name} out of {key}.") from None
 
 
+def one_line(exc: Exception, limit: int = 300) -> str:
+    """``exc``'s message on one line, at most ``limit`` characters, keeping the first link it holds (MLflow's
+    messages end in the page that explains them)."""
+    import re
+
+    text = " ".join(str(exc).split())
+    if len(text) <= limit:
+        return text
+    link = re.search(r"https?://\S+", text)
+    tail = f" ... {link.group(0).rstrip('.,;)')}" if link and link.start() >= limit else ""
+    return text[:limit].rstrip() + (tail or " ...")
+
+
 def open_trackers(names: list[str], output_dir: str | Path, *, project: str, run_name: str,
                   config: Mapping[str, Any] | None = None, resuming: bool = False,
                   run_ids: Mapping[str, str] | None = None, init_kwargs: Mapping[str, dict] | None = None) -> "Trackers":
@@ -87,9 +100,9 @@ def open_trackers(names: list[str], output_dir: str | Path, *, project: str, run
                 tracker.store_init_configuration(config)
         except Exception as exc:  # e.g. MLflow refusing its tracking URI: one line, the trackers started closed
             Trackers(trackers).close()
-            raise TrackerError(f"the {name} tracker could not start ({type(exc).__name__}: "
-                               f"{str(exc).splitlines()[0][:300]}); fix its settings (its environment variables, "
-                               f"tracker_kwargs) or leave it out of report_to.") from exc
+            raise TrackerError(f"the {name} tracker could not start ({type(exc).__name__}: {one_line(exc)}); fix "
+                               "its settings (its environment variables, tracker_kwargs) or leave it out of "
+                               "report_to.") from exc
         trackers.append(tracker)
     return Trackers(trackers)
 
@@ -148,9 +161,18 @@ class Trackers(Logger):
         for tracker in self._tensorboard():
             tracker.flush()
 
-    def close(self) -> None:
+    def close(self, outcome: str = "finished") -> None:
+        """Each tracker's run ended as ``outcome``: W&B's with exit code 0, 1 (failed) or 143 (killed: SIGTERM's),
+        MLflow's FINISHED, FAILED or KILLED; the others have no status to set."""
         for tracker in self.trackers:
-            tracker.finish()
+            if tracker.name == "wandb":
+                tracker.run.finish(exit_code={"finished": 0, "failed": 1, "killed": 143}[outcome])
+            elif tracker.name == "mlflow":
+                import mlflow
+
+                mlflow.end_run(status={"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}[outcome])
+            else:
+                tracker.finish()
         self.trackers = []
 
     def _tensorboard(self) -> list:
@@ -175,9 +197,13 @@ def _trackio_table(tracker, rows: list[dict], step: int | None) -> None:
 
 
 def _mlflow_table(tracker, rows: list[dict], step: int | None) -> None:
+    """The samples as MLflow's table file ({"columns", "data"}), written with log_dict: log_table also lists every
+    table in one run tag, which MLflow cuts at 8,000 characters, and the next log_table then fails to read it back
+    (JSONDecodeError; here after ~120 logged batches, ending the run)."""
     import mlflow
 
-    mlflow.log_table({c: [row[c] for row in rows] for c in rows[0]}, artifact_file=f"samples/step_{step or 0:08d}.json")
+    columns, data = _columns(rows)
+    mlflow.log_dict({"columns": columns, "data": data}, f"samples/step_{step or 0:08d}.json")
 
 
 def _tensorboard_text(tracker, rows: list[dict], step: int | None) -> None:

@@ -98,7 +98,7 @@ class TensorBoardLogger(Logger, GeneralTracker):
         if self._file is not None:
             self._file.flush()
 
-    def close(self) -> None:
+    def close(self, outcome: str = "finished") -> None:
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -202,6 +202,11 @@ class GRPOCollector(Collector):
         if rows and not self.rows:
             raise DataError(f"{setting(names, 'overlong_prompts')}=drop dropped every row: all {len(rows)} prompts are "
                             f"longer than {setting(names, 'max_prompt_tokens')}={max_prompt_tokens}; raise it.")
+        if rank == 0 and len(self.rows) < layout.prompts:
+            logger.warning("%s=%d is more than the data's %d rows: every batch repeats rows (each about %.1f times), "
+                           "so its groups are not independent prompts; use more rows or fewer prompts per batch",
+                           setting(names, "prompts_per_batch"), layout.prompts, len(self.rows),
+                           layout.prompts / len(self.rows))
         self._order = self._shuffled(0)
         self._warn_unknown_tokens()
         check_context(self.prompts.ids, engine.context_limit, engine.max_new_tokens, max_prompt_tokens, names)

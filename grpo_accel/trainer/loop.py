@@ -36,7 +36,7 @@ from grpo_accel.trainer.args import accelerator_for, check_arguments, replay_buf
 from grpo_accel.trainer.buffer import ReplayBuffer
 from grpo_accel.trainer.checkpointer import TrainerFiles
 from grpo_accel.trainer.hooks import Hooks
-from grpo_accel.trainer.stepper import MixedPrecisionOptimizationStepper
+from grpo_accel.trainer.stepper import LearningRate, MixedPrecisionOptimizationStepper
 
 logger = logging.getLogger(__name__)
 COUNTERS = ("frames", "optim_steps", "iterations", "weight_version", "dropped_batches")  # saved in checkpoints
@@ -102,12 +102,9 @@ class GRPOTrainer:
         self.loss_module, self.stepper.optimizer = acc.prepare(loss_module, self.stepper.optimizer)
         self.unwrapped_loss = acc.unwrap_model(self.loss_module)  # kept: ~1 ms a call (Accelerate reads metadata)
         self.stepper.bind(acc, self.loss_module)
-        # Stepped once per optimizer step here, not prepared: Accelerate's wrapper steps it once per process (its
-        # unit is a sharded data loader's batch) and DeepSpeed's engine would step it inside backward.
-        self.lr_scheduler = lr_scheduler
+        self.lr_scheduler, self.rate = lr_scheduler, LearningRate(self.stepper.optimizer, lr_scheduler)
         if lr_scheduler is not None:
             acc.register_for_checkpointing(lr_scheduler)  # saved and restored with the accelerator's state
-        self.lr = self.optimizer.param_groups[0]["lr"]  # the rate of the last optimizer step (logged as train/lr)
         self.device = torch.device(device) if device is not None else acc.device
         self.checkpoint, self.save_trainer_interval = checkpoint, save_trainer_interval
         self._files = TrainerFiles(acc, checkpoint, checkpoint_rotation, checkpoint_metadata, save_trainer_file)
@@ -316,9 +313,7 @@ class GRPOTrainer:
             for key in out.keys():
                 stats[key] += float(out[key].detach().float()) * share
         self.optim_steps += 1
-        self.lr = self.optimizer.param_groups[0]["lr"]
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()  # the rate of the next optimizer step
+        self.rate.step()
         return dict(stats)
 
     def _update_weights(self) -> None:
@@ -341,9 +336,8 @@ class GRPOTrainer:
         state = self._files.load_folder(path, module_signature(self.unwrapped_loss), strict)
         if state is not None:
             self.load_state_dict(state)
-        if self.lr_scheduler is not None:  # DeepSpeed's optimizer state need not carry the rate: the schedule's own
-            for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
-                group["lr"] = lr
+        for saved, given in self.rate.restore():  # the rates this run was given win over the checkpoint's
+            logger.info("learning rate: the checkpoint's peak %g -> %g, this run's, from its first step", saved, given)
         self._saved_at = self.iterations
         if self.logger is not None:
             self.logger.resume_at(self.iterations)
@@ -358,7 +352,7 @@ class GRPOTrainer:
     # --------------------------------------------------------------------------------------- reporting
 
     def _log(self, rollout: TensorDict, stats: dict[str, float]) -> None:
-        counters = {"frames": self.frames, "lr": self.lr, "optim_steps": self.optim_steps}
+        counters = {"frames": self.frames, "lr": self.rate.last, "optim_steps": self.optim_steps}
         if self.async_collection:
             counters.update(staleness=self._staleness, dropped_batches=self.dropped_batches)
         self.reporter.log_iteration(rollout, stats, counters, self.iterations, self.frames >= self.total_frames,

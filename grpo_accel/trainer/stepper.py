@@ -71,3 +71,44 @@ class MixedPrecisionOptimizationStepper(OptimizationStepper):
     def load_state_dict(self, state: dict) -> None:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+
+
+class LearningRate:
+    """The rate of each optimizer step, from the optimizer's own rate or ``scheduler`` (a torch LR scheduler over it,
+    stepped once per optimizer step, never prepared: Accelerate's wrapper would step it once per process and
+    DeepSpeed's engine inside backward).
+
+    On a resume the run's own rates win over the checkpoint's (:meth:`restore`): the peak the optimizer was built
+    with is the peak from the first resumed step, and a schedule continues at its step on its own curve (a run
+    extended to more steps continues on the longer curve, at the point it had reached, not at the old end).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scheduler=None) -> None:
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.given = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]  # the run's peaks
+        self.last = optimizer.param_groups[0]["lr"]  # the rate of the last optimizer step (train/lr)
+
+    def step(self) -> None:
+        """After an optimizer step: remember its rate, move the schedule to the next one's."""
+        self.last = self.optimizer.param_groups[0]["lr"]
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def restore(self) -> list[tuple[float, float]]:
+        """After a checkpoint's optimizer and schedule state were loaded: the given peaks back, and each group's
+        rate the schedule's at its step; returns the (checkpoint's, this run's) peaks that differ."""
+        groups = self.optimizer.param_groups
+        saved = [group.get("initial_lr", group["lr"]) for group in groups]
+        if self.scheduler is not None and hasattr(self.scheduler, "lr_lambdas"):  # LambdaLR: transformers' schedules
+            self.scheduler.base_lrs = list(self.given)
+            rates = [base * f(self.scheduler.last_epoch) for base, f in zip(self.given, self.scheduler.lr_lambdas)]
+            self.scheduler._last_lr = rates  # what get_last_lr() reports
+        elif self.scheduler is not None:  # another scheduler: its own state (DeepSpeed may not carry the rate)
+            rates = self.scheduler.get_last_lr()
+        else:
+            rates = self.given
+        for group, given, rate in zip(groups, self.given, rates):
+            if "initial_lr" in group:
+                group["initial_lr"] = given
+            group["lr"] = rate
+        return [(a, b) for a, b in zip(saved, self.given) if a != b]
