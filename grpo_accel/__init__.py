@@ -15,7 +15,7 @@ _EXPORTS = {
     "RewardSet": "grpo_accel.rewards",
     "GRPOCollector": "grpo_accel.rollout.collector",
     "EmbeddedEngine": "grpo_accel.embedded.engine",
-    "TensorBoardLogger": "grpo_accel.reporting.tracking",
+    "TensorBoardLogger": "grpo_accel.reporting.event_files",
     "GRPOConfig": "grpo_accel.recipe.schema",
     "BatchLayout": "grpo_accel.layout",
 }

@@ -1,4 +1,4 @@
-"""Shared by every room.
+"""Shared by embedded/, logprobs.py, loss/, recipe/, reporting/, rollout/, sglang/ and trainer/.
 
 The rollout TensorDict: its keys, shapes and padding rules, defined once.
 

@@ -1,4 +1,4 @@
-"""Shared by recipe/ and trainer/.
+"""Shared by cli/, recipe/ and trainer/.
 
 Checkpoints that never lose a run: atomic folders, rotation that keeps the newest, verified resume.
 

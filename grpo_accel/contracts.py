@@ -95,6 +95,8 @@ class Collector(ABC):
         engine: the :class:`RolloutEngine` it draws from (None: none the trainer needs to know of).
         collective: ``collect`` agrees with the other processes while it runs (e.g. on dynamic sampling's extra
             rounds), so a background thread cannot run it beside training.
+        completion_budget: the most tokens the model writes in one of its completions (the engine's cap, or a
+            multi-turn episode's budget; None: not known): the trainer checks a loss's constant divisor against it.
     """
 
     layout: BatchLayout
@@ -102,6 +104,7 @@ class Collector(ABC):
     tokenizer: Any = None
     engine: RolloutEngine | None = None
     collective: bool = False
+    completion_budget: int | None = None
 
     @abstractmethod
     def collect(self) -> TensorDict:
@@ -141,11 +144,14 @@ class LossModule(nn.Module):
             the logs).
         temperature: the temperature its logprobs are taken at (logits divided by it; None: not a concern of
             this loss): the trainer checks it against the engine's.
+        max_completion_tokens: the completion budget a constant-normalised aggregation divides by (Dr. GRPO; None:
+            none): the trainer checks it against the collector's ``completion_budget``.
     """
 
     uses_old_logprobs: bool = False
     kl_outputs: tuple[str, ...] = ()
     temperature: float | None = None
+    max_completion_tokens: int | None = None
 
     def __init__(self, policy: nn.Module | None = None, reference: Any = None) -> None:
         super().__init__()
@@ -240,10 +246,8 @@ class Logger(ABC):
 
     def log_samples(self, rows: list[dict], step: int | None = None) -> None:
         """Completion samples, one dict per completion with the same keys (prompt, completion, reward, each
-        reward function's value): a table where the logger has tables, else Markdown through :meth:`log_text`."""
-        from grpo_accel.reporting.metrics import samples_markdown
-
-        self.log_text("samples", samples_markdown(rows), step)
+        reward function's value): a table where the logger has tables, Markdown where it shows text
+        (:func:`grpo_accel.reporting.metrics.samples_markdown`); dropped unless the logger shows them."""
 
     def resume_at(self, step: int) -> None:
         """Training resumed after ``step``: what an interrupted run logged after it is dropped, where possible."""

@@ -1,4 +1,5 @@
-"""Shared by every room.
+"""Shared by checkpoint.py, cli/, data.py, distributed/, http.py, recipe/, reporting/, rewards/, rollout/,
+sglang/ and shipped.py.
 
 The base class of the errors a user fixes: each message names the setting, file or function, the value and the
 fix, so the launcher shows it as one line (exit code 2) instead of a traceback."""

@@ -1,4 +1,5 @@
-"""Shared by every room.
+"""Shared by checkpoint.py, cli/, data.py, http.py, layout.py, loss/, recipe/, reporting/, rewards/, rollout/,
+sglang/ and trainer/.
 
 Each rule about a setting's value, once. The YAML config (``grpo_accel.recipe.schema``, naming its keys) and the
 Python API (``GRPOLoss``, ``GRPOTrainer``, the collector, ..., naming their arguments) check through

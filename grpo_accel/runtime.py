@@ -82,7 +82,7 @@ def freed_memory_returned(mmap_threshold: int = 2**20) -> Iterator[None]:
     For loading a model under ZeRO-3: ``zero.Init`` makes each weight whole, broadcasts it and keeps only this
     process's shard. With freed memory kept, those whole weights stayed in the heap: 4 processes loading 957 MB
     of weights (policy and reference) each held 770-1040 MB more after the load; with this, 257 MB (their
-    quarter and 18 MB), 320 MB at the peak (tests/test_zero3_load.py).
+    quarter and 18 MB), 320 MB at the peak (tests/launched/test_zero3_load.py).
     """
     mallopt = _glibc_function("mallopt")
     if mallopt is None:

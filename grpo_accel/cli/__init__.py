@@ -9,7 +9,8 @@
 
 ``train`` without ``--accelerate-config`` runs one process here; with one (a shipped name such as ``zero3``, or a
 file) it hands the run to ``accelerate launch`` with that config, which starts the processes. Each subcommand's
-``--help`` says the rest.
+``--help`` says the rest; each has its module here (``train.py``, ``export.py``, ``models.py``,
+``reward_server.py``, ``report.py``), over the library code it calls.
 """
 from __future__ import annotations
 
@@ -41,11 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     if command == "train":
         return train(rest)
     if command == "export":
-        from grpo_accel.recipe.export import main as export
+        from grpo_accel.cli.export import main as export
 
         return export(rest)
     if command == "models":
-        from grpo_accel.recipe.models import main as models
+        from grpo_accel.cli.models import main as models
 
         return models(rest)
     if command == "reward-server":
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve(rest)
     if command == "report":
-        from grpo_accel.reporting.report import main as report
+        from grpo_accel.cli.report import main as report
 
         return report(rest)
     from grpo_accel import shipped

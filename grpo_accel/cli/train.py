@@ -5,7 +5,8 @@ folder's lock, the summary and one-line errors.
     grpo-accel train [--accelerate-config NAME|FILE] [--config NAME|FILE] [key=value ...]
     accelerate launch --config_file accelerate_configs/single_process.yaml launch/train.py [--config F] [key=value ...]
 
-``--config`` takes a YAML file or a shipped recipe by name (``grpo-accel train --list``).
+``--config`` takes a YAML file or a shipped recipe by name (``grpo-accel configs`` lists them), or a
+``trl grpo`` config file (:mod:`grpo_accel.recipe.trl_config`).
 
 With no model named, this trains the built-in tiny Llama (random weights) on the built-in addition task.
 Outputs in ``output_dir``: config.yaml (resolved), tensorboard/ (event files), checkpoints/, summary.json.
@@ -151,8 +152,8 @@ def human_summary(summary: dict, frames: int, checkpoint: Path | None, out: Path
 def _reward_line(summary: dict) -> str:
     k = summary["reward_window"]
     if summary["iterations"] < 2:
-        return f"  reward: {summary['reward_last10_mean']:.3f} ({summary['iterations']} batch)"
-    return (f"  reward: {summary['reward_first10_mean']:.3f} (first {k} batches) -> {summary['reward_last10_mean']:.3f} "
+        return f"  reward: {summary['reward_last_mean']:.3f} ({summary['iterations']} batch)"
+    return (f"  reward: {summary['reward_first_mean']:.3f} (first {k} batches) -> {summary['reward_last_mean']:.3f} "
             f"(last {k})")
 
 

@@ -136,24 +136,6 @@ AGGREGATIONS: dict[str, Aggregation] = {
 }
 
 
-def distributed_normalizer(global_units: Tensor, num_processes: int, accumulation_steps: int) -> Tensor:
-    """What each micro-batch divides its numerator by so the optimizer step sees sum(all) / global_units.
-
-    ``global_units``: the aggregation units of the whole optimizer step, summed over micro-batches and ranks.
-    Accelerate's ``backward`` divides each micro-batch loss by ``accumulation_steps`` and DDP / DeepSpeed
-    average gradients over ``num_processes``; pre-multiplying by both undoes them exactly once. A step with no
-    unit (every completion truncated under ``mask_truncated``) has a zero numerator too: it divides by 1.
-    """
-    return global_units.clamp(min=1) / (num_processes * accumulation_steps)
-
-
-def step_normalizer(loss: "GRPOLoss", micro_batches: list, accelerator, accumulation_steps: int, device) -> Tensor:
-    """:func:`distributed_normalizer` of one optimizer step: its units over every process (one all-reduce)."""
-    units = sum(loss.units(mb.to(device)) for mb in micro_batches)
-    total = accelerator.reduce(units.reshape(1).float().to(device), reduction="sum")[0]
-    return distributed_normalizer(total, accelerator.num_processes, accumulation_steps)
-
-
 def effective_sample_size(log_w: Tensor, mask: Tensor) -> Tensor:  # [N, T] -> [], in (0, 1]
     """(sum w)^2 / (n sum w^2) over the real tokens: 1 when every importance weight is equal."""
     lw = log_w[mask.bool()].float()
@@ -200,7 +182,9 @@ class GRPOLoss(LossModule):
         kl_coef: weight of the KL-to-reference term ``loss_kl``.
         kl_estimator: "k1", "k2" or "k3".
         aggregation: "token_mean" (DAPO), "seq_mean_token_mean" (GRPO) or "seq_mean_token_sum_norm" (Dr. GRPO).
-        max_completion_tokens: Dr. GRPO's constant normaliser; required by that mode.
+        max_completion_tokens: Dr. GRPO's constant normaliser, the completion budget (the engine's
+            ``max_new_tokens``, or an episode's: the collector's ``completion_budget``; the trainer checks); required
+            by that mode.
         importance_level: "token" (PPO/GRPO ratio) or "sequence" (GSPO's length-normalised sequence ratio;
             with aggregation "seq_mean_token_mean" this is exactly GSPO, with "token_mean" GSPO-token weighting).
         tis_cap: if set, multiply each token's loss by min(pi_old / pi_engine, tis_cap) (truncated IS against
@@ -250,7 +234,8 @@ class GRPOLoss(LossModule):
         _check(
             aggregation != "seq_mean_token_sum_norm" or (max_completion_tokens or 0) > 0,
             "max_completion_tokens", max_completion_tokens,
-            "Dr. GRPO aggregation divides by a constant: set it to the generation budget (max_new_tokens)",
+            "Dr. GRPO aggregation divides by a constant: set it to the completion budget (the engine's "
+            "max_new_tokens, or a multi-turn episode's budget: the collector's completion_budget)",
         )
         check_choice("importance_level", importance_level, IMPORTANCE_LEVELS, owner="GRPOLoss: ")
         check("tis_cap", "tis_cap", tis_cap, owner="GRPOLoss: ")
@@ -341,19 +326,6 @@ class GRPOLoss(LossModule):
             "ratio_min": ratio.min(),
             "ratio_max": ratio.max(),
         }
-
-
-def add_in_chunks(add: Callable[[TensorDict], None], rollout: TensorDict, key: str, chunk: int,
-                  device: torch.device) -> None:
-    """Fill ``rollout[key]`` with ``add`` (e.g. :meth:`GRPOLoss.add_reference_logprobs`) over chunks of ``chunk`` rows,
-    each trimmed to its longest row and moved to ``device``: the shapes the training forward sees, so the values are
-    those it would compute."""
-    parts = []
-    for start in range(0, rollout.numel(), chunk):
-        part = batch.trim_padding(rollout[start : start + chunk]).to(device)
-        add(part)
-        parts.append(part.to("cpu"))
-    rollout[key] = batch.concat_rollouts(parts, pad_id=0)[key]
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:

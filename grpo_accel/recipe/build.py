@@ -124,15 +124,13 @@ def fit_unset_budget(cfg: GRPOConfig, tokenizer, rows: list[dict]) -> None:
     anywhere is kept (and refused, naming it, if it does not fit)."""
     from grpo_accel.data import encode_prompts
     from grpo_accel.recipe.defaults import fitted_budget
+    from grpo_accel.recipe.parts import model_context
 
     r, m = cfg.rollout, cfg.model
     if "rollout.max_new_tokens" not in cfg.followed_defaults.values or m.name_or_path is None or r.backend != "embedded" \
             or r.environment is not None:
         return
-    from transformers import AutoConfig
-
-    context = getattr(AutoConfig.from_pretrained(m.name_or_path, trust_remote_code=m.trust_remote_code,
-                                                 revision=m.revision), "max_position_embeddings", None)
+    context = model_context(m)
     if context is None or r.max_new_tokens + r.max_prompt_tokens <= context:  # fits whatever the prompts are
         return
     longest = max(len(ids) for ids in encode_prompts(rows, tokenizer, prompt_field=cfg.data.prompt_field,
@@ -373,8 +371,8 @@ def summarize(trainer, wall_s: float) -> dict:
         "final_iteration": trainer.iterations,
         "weight_version": trainer.weight_version,
         "stop_reason": trainer.stop_reason,
-        "reward_first10_mean": sum(rewards[:k]) / max(k, 1),
-        "reward_last10_mean": sum(rewards[-k:]) / max(k, 1),
+        "reward_first_mean": sum(rewards[:k]) / max(k, 1),
+        "reward_last_mean": sum(rewards[-k:]) / max(k, 1),
         "reward_window": k,  # batches in each of the two means: 10, or half the run when shorter
         "wall_time_s": round(wall_s, 1),
     }

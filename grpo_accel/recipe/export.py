@@ -9,7 +9,6 @@ export rebuilds the base model the run trained from (``model.name_or_path``) and
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -18,7 +17,6 @@ import tempfile
 from pathlib import Path
 
 from grpo_accel.checkpoint import MARKER, CheckpointError
-from grpo_accel.rules import DTYPES
 
 logger = logging.getLogger(__name__)
 POLICY_PREFIX = "policy."
@@ -192,23 +190,3 @@ def _lora_policy(checkpoint: Path, adapter_state: dict):
                               f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}).")
     model.load_state_dict(adapter_state, strict=False)
     return model
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", help="a checkpoint folder (output_dir/checkpoints/step_*), or a run's "
-                                           "output_dir: its newest complete checkpoint")
-    parser.add_argument("out_dir", help="where to write the Hugging Face model folder")
-    parser.add_argument("--dtype", choices=DTYPES, help="cast the weights")
-    parser.add_argument("--adapter", action="store_true",
-                        help="LoRA runs: write the PEFT adapter folder instead of the merged model")
-    parser.add_argument("--replace", action="store_true",
-                        help="out_dir may hold files (an earlier export): it is replaced whole")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # export runs on the CPU: DeepSpeed's notice that it does, unsaid
-    try:
-        export_checkpoint(args.checkpoint, args.out_dir, args.dtype, adapter=args.adapter, replace=args.replace)
-    except CheckpointError as err:  # names the checkpoint and the fix: one line on stderr, exit 2, no traceback
-        parser.exit(2, f"error: {err}\n")
-    return 0

@@ -86,6 +86,14 @@ def build_model(cfg: ModelConfig, tokenizer, seed: int = 0):
     return model
 
 
+def model_context(cfg: ModelConfig) -> int | None:
+    """The named model's positions per sequence (its config's ``max_position_embeddings``; None if it says none)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
+    return getattr(config, "max_position_embeddings", None)
+
+
 def pretrained_kwargs(cfg: ModelConfig) -> dict:
     """What ``model.*`` hands to ``from_pretrained``: dtype (``auto``: the checkpoint's, float16 read as float32),
     attn_implementation (when set), trust_remote_code and revision."""

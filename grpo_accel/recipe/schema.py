@@ -22,6 +22,7 @@ from grpo_accel.recipe.secrets import expand_secrets
 from grpo_accel.data import OVERLONG
 from grpo_accel.rules import TRAINING_DTYPES
 from grpo_accel.tasks import BUILTIN_TASKS
+from grpo_accel.tasks.tiny import TinyModelSpec  # the built-in model's sizes, written once there
 
 
 @dataclass
@@ -52,13 +53,13 @@ ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", 
 class ModelConfig:
     name_or_path: str | None = None
     """Hugging Face model folder (or hub id); None builds the built-in tiny Llama with random weights."""
-    hidden_size: int = 64
+    hidden_size: int = TinyModelSpec.hidden_size
     """Built-in model only: width."""
-    num_layers: int = 2
+    num_layers: int = TinyModelSpec.num_layers
     """Built-in model only: transformer blocks."""
-    num_heads: int = 4
+    num_heads: int = TinyModelSpec.num_heads
     """Built-in model only: attention heads (must divide hidden_size)."""
-    intermediate_size: int = 128
+    intermediate_size: int = TinyModelSpec.intermediate_size
     """Built-in model only: MLP width."""
     dtype: str = "float32"
     """Dtype the weights are loaded and trained in (float32 keeps full-precision weights under
@@ -160,7 +161,9 @@ class LossConfig:
     kl_estimator: str = "k3"
     """KL estimator (k3 is the GRPO paper's)."""
     aggregation: str = "token_mean"
-    """token_mean (DAPO), seq_mean_token_mean (GRPO), seq_mean_token_sum_norm (Dr. GRPO, / max_new_tokens)."""
+    """token_mean (DAPO), seq_mean_token_mean (GRPO), seq_mean_token_sum_norm (Dr. GRPO: / the completion budget,
+    rollout.max_new_tokens, or for multi-turn episodes the episode's: max_turns x max_new_tokens, at most
+    max_episode_tokens)."""
     importance_level: str = "token"
     """token: per-token ratio (GRPO); sequence: length-normalised sequence ratio (GSPO)."""
     tis_cap: float | None = None

@@ -1,5 +1,5 @@
 """TRL's GRPOConfig names and what they are called here, with the unit where it differs: the unknown-key error
-uses it ("`num_generations` is TRL's name; here it is `rollout.group_size` ..."), the README shows it, and a test
+uses it ("`num_generations` is TRL's name; here it is `rollout.group_size` ..."), docs/pages/coming-from-trl.md shows it, and a test
 checks that every key it names exists.
 
 Units: a *frame* is one completion; a *batch* is one collected batch (``rollout.prompts_per_batch`` prompts x

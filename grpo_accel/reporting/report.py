@@ -8,7 +8,6 @@ folder). Needs matplotlib (``pip install 'grpo_accel[report]'``).
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 from pathlib import Path
@@ -50,7 +49,7 @@ def panel_series(scalars: dict[str, Series]) -> list[tuple[str, dict[str, Series
 
 def read_runs(run_dirs: list[Path]) -> dict[str, dict[str, Series]]:
     """Each run's scalars by its folder's name (a folder named twice gets its parent's name too)."""
-    from grpo_accel.reporting.tracking import read_scalars
+    from grpo_accel.reporting.event_files import read_scalars
 
     runs = {}
     for run in run_dirs:
@@ -126,17 +125,3 @@ def report(run_dirs: list[str | Path], out: str | Path | None = None):
     (out / "report.md").write_text(f"# {', '.join(runs)}\n\n![curves](report.png)\n\n{summary_markdown(runs)}")
     logger.info("wrote %s and %s", out / "report.png", out / "report.md")
     return figure
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", help="run folders (each a run's output_dir)")
-    parser.add_argument("--out", help="where to write report.png and report.md (default: the first run's folder)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("tensorboard").setLevel(logging.WARNING)  # its "No path found after ..." once per run
-    try:
-        report(args.runs, args.out)
-    except ReportError as err:
-        parser.exit(2, f"error: {err}\n")
-    return 0

@@ -50,7 +50,8 @@ class Reporter:
     def __init__(self, accelerator, logger, settings: ReportSettings, tokenizer=None) -> None:
         self.accelerator, self.logger, self.settings, self.tokenizer = accelerator, logger, settings, tokenizer
         self.history: list[dict[str, float]] = []
-        self.timings: dict[str, float] = defaultdict(float)  # seconds per phase since the last log
+        self.timings: dict[str, float] = defaultdict(float)  # seconds per phase of this iteration (cleared after
+        # each, logged or not: a log shows its own iteration's phases)
         self.last_log_frames: float = -math.inf
         self.bar = None  # the progress bar while training (on a terminal)
         self._lines: tuple[int, float] | None = None  # without one: (total frames, time of the next line)
@@ -86,6 +87,16 @@ class Reporter:
             log.info("progress: %d of %d frames (%.0f%%), reward %s, %.2f s per batch", done, total,
                      100 * done / total, reward, seconds)
             self._lines = (total, time.monotonic() + PROGRESS_LINE_S)
+
+    def flush(self) -> None:
+        """What the logger holds, written (a checkpoint's curves are on disk with it)."""
+        if self.logger is not None:
+            self.logger.flush()
+
+    def resume_at(self, step: int) -> None:
+        """Training resumed after ``step``: the logger drops what an interrupted run logged after it."""
+        if self.logger is not None:
+            self.logger.resume_at(step)
 
     def close(self) -> None:
         """The bar closed and the logger flushed (the end of ``train``)."""

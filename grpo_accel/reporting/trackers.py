@@ -1,6 +1,6 @@
 """The user's experiment trackers through Accelerate: the names ``Accelerator(log_with=...)`` takes (TRL's
 ``report_to``), each an ``accelerate.tracking.GeneralTracker``; "tensorboard" is this package's own event-file
-writer (:class:`~grpo_accel.reporting.tracking.TensorBoardLogger`, one event per step instead of one per scalar).
+writer (:class:`~grpo_accel.reporting.event_files.TensorBoardLogger`, one event per step instead of one per scalar).
 
 :class:`Trackers` is the trainer's :class:`~grpo_accel.contracts.Logger` over them: scalars to every tracker
 at every log, the run's settings as hyperparameters once, completion samples as a table where the tracker has
@@ -27,8 +27,6 @@ TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio", "comet_ml", "aim", "cle
 """The names Accelerate's ``log_with`` takes (its ``LoggerType`` less "all")."""
 EXTRAS = {"wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
 """Trackers with an extra of this package: ``pip install 'grpo_accel[NAME]'``; the others: ``pip install NAME``."""
-RESUMABLE = ("tensorboard", "wandb", "mlflow", "trackio")
-"""Trackers whose run a resumed run continues (the others start a new run at each launch)."""
 
 
 def check_trackers(names: list[str], setting_names: Mapping[str, str] | None = None) -> None:
@@ -70,7 +68,7 @@ def open_trackers(names: list[str], output_dir: str | Path, *, project: str, run
     process."""
     from accelerate.tracking import LOGGER_TYPE_TO_CLASS
 
-    from grpo_accel.reporting.tracking import TensorBoardLogger
+    from grpo_accel.reporting.event_files import TensorBoardLogger
 
     out, ids, extra, config = Path(output_dir), dict(run_ids or {}), dict(init_kwargs or {}), dict(config or {})
     trackers = []
@@ -207,9 +205,7 @@ def _mlflow_table(tracker, rows: list[dict], step: int | None) -> None:
 
 
 def _tensorboard_text(tracker, rows: list[dict], step: int | None) -> None:
-    from grpo_accel.reporting.metrics import samples_markdown
-
-    tracker.log_text("samples", samples_markdown(rows), step)
+    tracker.log_samples(rows, step)  # our TensorBoardLogger: Markdown in the Text tab
 
 
 def _no_table(tracker, rows: list[dict], step: int | None) -> None:

@@ -18,6 +18,7 @@ from grpo_accel.layout import BatchLayout
 from grpo_accel.rewards import EPISODE_FIELDS, PROVIDED_FIELDS, RewardSet
 from grpo_accel.rewards.calling import TRAINER_ARGUMENTS
 from grpo_accel.rules import check_choice, setting
+from grpo_accel.rollout.episodes import completion_budget
 from grpo_accel.rollout.sampling import group_seeds
 
 if TYPE_CHECKING:
@@ -173,6 +174,8 @@ class GRPOCollector(Collector):
         self.epoch, self.position, self.batches = 0, 0, 0
         self._seconds = dict.fromkeys(TIMED, 0.0)  # this batch's seconds per phase
         self.episodes: EpisodeRunner | None = None
+        self.completion_budget = completion_budget(engine.max_new_tokens, max_turns if environment else None,
+                                                   max_episode_tokens)  # the engine's cap, or an episode's
         if environment is not None:
             from grpo_accel.rollout.episodes import EpisodeRunner
 

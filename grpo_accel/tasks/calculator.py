@@ -5,8 +5,8 @@ runs in a :class:`~grpo_accel.rollout.episodes.ToolEnvironment` offering :func:`
 gets such products wrong on its own; a call such as ``<tool_call>{"name": "calculator", "arguments":
 {"expression": "47*29"}}</tool_call>`` returns the result, which it then only has to repeat. Every prompt opens
 with one worked exchange (:data:`DEMONSTRATION`): from the tools' description alone that model called the
-calculator in 0 of 32 problems; after the example, in 7 of 32, all malformed, which is enough to learn from (README,
-"Multi-turn episodes and tools").
+calculator in 0 of 32 problems; after the example, in 7 of 32, all malformed, which is enough to learn from (docs/pages/
+benchmarks.md, "Multi-turn episodes with a calculator tool").
 """
 from __future__ import annotations
 

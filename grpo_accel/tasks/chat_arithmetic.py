@@ -2,8 +2,8 @@
 
 ``{"prompt": [{"role": "user", "content": "What is 47+38? Answer with just the number."}], "answer": "85"}``,
 operands in 10..max_operand, differences never negative. SmolLM2-135M-Instruct gets about one in six right
-before training, greedy, often as "89 + 42 = 21" or a sentence cut off by the token budget (README, "A real
-model learns"). Held-out rows share no (operation, a, b) with training rows.
+before training, greedy, often as "89 + 42 = 21" or a sentence cut off by the token budget (docs/pages/
+benchmarks.md, "A real model learns"). Held-out rows share no (operation, a, b) with training rows.
 """
 from __future__ import annotations
 

@@ -53,6 +53,7 @@ def accelerator_for(a: dict):
             a["gradient_accumulation_steps"], f"the given accelerator accumulates {acc.gradient_accumulation_steps}")
     check_collector(a["collector"], acc)
     check_temperature(a["collector"].engine, a["loss_module"])
+    check_completion_budget(a["collector"], a["loss_module"])
     if a["async_collection"]:
         check_async(a["collector"], a["loss_module"], acc)
     return acc
@@ -76,6 +77,15 @@ def check_temperature(engine, loss_module: LossModule) -> None:
     require(sampled is None or taken is None or float(sampled) == float(taken), "loss_module.temperature", taken,
             f"the collector's engine samples at temperature {sampled}; build the loss with temperature={sampled} "
             "(GRPOLoss(..., temperature=...)) so that its logprobs are the engine's")
+
+
+def check_completion_budget(collector: Collector, loss_module: LossModule) -> None:
+    """A loss that divides by a completion budget (Dr. GRPO) divides by the one the collector's completions have:
+    checked once here, where the parts meet, as the temperature is."""
+    budget, taken = collector.completion_budget, loss_module.max_completion_tokens
+    require(budget is None or taken is None or int(budget) == int(taken), "loss_module.max_completion_tokens", taken,
+            f"the collector's completions hold up to {budget} tokens (its engine's max_new_tokens, or a multi-turn "
+            f"episode's budget); build the loss with max_completion_tokens={budget} so that it divides by theirs")
 
 
 def check_async(collector: Collector, loss_module: LossModule, acc) -> None:

@@ -28,14 +28,14 @@ from grpo_accel import batch
 from grpo_accel.checkpoint import Checkpoint, module_signature
 from grpo_accel.contracts import Collector, LossModule, OptimizationStepper, as_logger, as_weight_sender
 from grpo_accel.distributed import any_process, configure_deepspeed_for, zero_stage
-from grpo_accel.loss import add_in_chunks, step_normalizer
 from grpo_accel.reporting.reporter import Reporter, ReportSettings
-from grpo_accel.rollout.background import BackgroundCollector, staleness
 from grpo_accel.runtime import stop_on_signals
 from grpo_accel.trainer.args import accelerator_for, check_arguments, replay_buffer_for
+from grpo_accel.trainer.background import BackgroundCollector, drop_stale
 from grpo_accel.trainer.buffer import ReplayBuffer
 from grpo_accel.trainer.checkpointer import TrainerFiles
 from grpo_accel.trainer.hooks import Hooks
+from grpo_accel.trainer.normalizer import add_in_chunks, step_normalizer
 from grpo_accel.trainer.stepper import LearningRate, MixedPrecisionOptimizationStepper
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ COUNTERS = ("frames", "optim_steps", "iterations", "weight_version", "dropped_ba
 
 
 class GRPOTrainer:
-    """A trainer for LLM alignment with GRPO-style objectives; the README maps every parameter to a test.
+    """A trainer for LLM alignment with GRPO-style objectives; docs/pages/api.md maps every parameter to a test.
 
     A *frame* is one completion: ``total_frames`` counts completions collected over all processes. The parts are
     those of :mod:`grpo_accel.contracts`; the batch's split is the collector's ``layout`` (read, never rebuilt), and
@@ -209,8 +209,7 @@ class GRPOTrainer:
             final = self._files.save(self.iterations, self.state_dict(), info, self.loss_module,
                                      self.unwrapped_loss.policy, self.collector.tokenizer)
         self._saved_at = self.iterations
-        if self.logger is not None:  # the curves up to a checkpoint are on disk with it (a resume purges after it)
-            self.logger.flush()
+        self.reporter.flush()  # the curves up to a checkpoint are on disk with it (a resume purges after it)
         return final
 
     # ----------------------------------------------------------------------------------------- the loop
@@ -222,8 +221,9 @@ class GRPOTrainer:
         self.frames += frames
         self.iterations += 1
         kept = self.hooks.chain("post_collect", self, rollout)  # users may filter the rollout before it is stored
-        if self.async_collection:
-            kept = self._drop_stale(kept)  # generated with weights too many pushes old: none of it is used
+        if self.async_collection:  # generated with weights too many pushes old: none of it is used
+            kept, self._staleness, dropped = drop_stale(self.accelerator, self.weight_version, kept, self.max_staleness)
+            self.dropped_batches += dropped
         self._store_rollout(kept)  # with pi_old / reference logprobs when the loss needs them
         stats: dict[str, float] = {}
         if kept.numel() > 0:
@@ -266,14 +266,6 @@ class GRPOTrainer:
         """Optimizer steps that ``rows`` completions in the buffer would take."""
         return self.layout.optimizer_steps(self.replay_buffer.batch_size, self.gradient_accumulation_steps,
                                            self.num_epochs, self.optim_steps_per_batch, rows=rows)
-
-    def _drop_stale(self, rollout: TensorDict) -> TensorDict:
-        """Async: a batch generated over ``max_staleness`` pushes ago (on any process) comes back empty."""
-        self._staleness = staleness(self.accelerator, self.weight_version, rollout)
-        if self.max_staleness is not None and self._staleness > self.max_staleness:
-            self.dropped_batches += 1
-            return rollout[:0]
-        return rollout
 
     def optimise(self) -> dict[str, float]:
         """The optimizer steps of one collected batch: ``num_epochs`` passes over the replay buffer (or
@@ -339,8 +331,7 @@ class GRPOTrainer:
         for saved, given in self.rate.restore():  # the rates this run was given win over the checkpoint's
             logger.info("learning rate: the checkpoint's peak %g -> %g, this run's, from its first step", saved, given)
         self._saved_at = self.iterations
-        if self.logger is not None:
-            self.logger.resume_at(self.iterations)
+        self.reporter.resume_at(self.iterations)
         logger.info("resumed from %s at iteration %d (%d frames)", path, self.iterations, self.frames)
 
     def _should_stop(self) -> bool:

@@ -42,8 +42,8 @@ if [ "$mode" = gsm8k ]; then
     eval.every_iterations=0 checkpoint.interval_frames=null trainer.progress_bar=false \
     ${MODEL:+model.name_or_path=$MODEL} ${DATA:+data.path=$DATA} ${DATA:+data.eval_split=null}
   exec "$python" -c "import json, sys; s = json.load(open(sys.argv[1])); print('PASS' if s['iterations'] == 30 else 'FAIL', \
-    'gsm8k recipe:', s['iterations'], 'batches in', s['wall_time_s'], 's, reward', round(s['reward_first10_mean'], 3), \
-    '->', round(s['reward_last10_mean'], 3))" "$out/summary.json"
+    'gsm8k recipe:', s['iterations'], 'batches in', s['wall_time_s'], 's, reward', round(s['reward_first_mean'], 3), \
+    '->', round(s['reward_last_mean'], 3))" "$out/summary.json"
 fi
 if [ "$mode" = path ]; then
   "$python" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"

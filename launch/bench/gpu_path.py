@@ -19,7 +19,7 @@ tokens/s and MFU against the chip's bf16 peak (989 TFLOP/s dense on an H100/H200
 measured in the same run. ``memory``: ``torch.cuda.max_memory_allocated`` over two whole GRPO iterations of the
 trainer ``launch/train.py`` builds, with and without gradient checkpointing (launch it under ZeRO-3).
 
-On a CPU the same sections run (``--sizes tiny``, float32): tests/test_bench.py keeps them working.
+On a CPU the same sections run (``--sizes tiny``, float32): tests/launched/test_bench.py keeps them working.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
         [--modes sync async] [--decode-delay S] [--out overlap.json]
     PYTHONPATH=. python launch/bench/overlap.py --report RUN_DIR [RUN_DIR ...]
 
-Each run gets a fresh SGLang stand-in (tests/sglang_standin with ``--kv-cache``: its scheduler decodes the
+Each run gets a fresh SGLang stand-in (tests/on_sglang/sglang_standin with ``--kv-cache``: its scheduler decodes the
 running batch on a KV cache, one token per request per step, the pace of a real server for the model, which it
 holds in float32) on this machine's last core, as a server on a machine of its own; the README's command
 (``trainer.log_timings=true``, weights pushed with ``weight_sync.method``) runs on the other cores, one torch
@@ -27,16 +27,21 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import socket
 import time
 import urllib.request
 from pathlib import Path
 
 from trl_parity import ROOT, readme_command, tiny_model_folder
 
-sys.path.insert(0, str(ROOT / "tests"))  # the stand-in's launcher helpers, as the tests start it
-from launching import free_port  # noqa: E402
 
-STANDIN = ROOT / "tests" / "sglang_standin"
+STANDIN = ROOT / "tests" / "on_sglang" / "sglang_standin"  # run as a program: nothing of the tests is imported
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 SGLANG_VERSION = "0.5.23"
 
 

@@ -95,7 +95,7 @@ def readme_command(model: str | Path, out: Path, batches: int, *overrides: str, 
 def command_side(steps: int, warmup: int, env: dict, model: str | None, root: Path = ROOT) -> dict:
     """The README's command on the work, from the checkout at ``root`` (its package first on the path): its median
     step from the wall times of its TensorBoard events."""
-    from grpo_accel.reporting.tracking import read_scalars
+    from grpo_accel.reporting.event_files import read_scalars
 
     with tempfile.TemporaryDirectory() as folder:
         model, out = model or tiny_model_folder(Path(folder) / "model"), Path(folder) / "run"

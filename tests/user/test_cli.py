@@ -1,0 +1,107 @@
+"""The installed ``grpo-accel`` command: built as a wheel, installed in a fresh virtual environment, run from an
+empty folder outside the checkout (one process, two under a shipped ZeRO-2 config by name, an export); and
+``grpo-accel report``'s figure against the event files it was drawn from."""
+import json
+import re
+import subprocess
+import sys
+import sysconfig
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from launching import ROOT, free_port, run_in_group
+from trainer_utils import train_in_process
+
+
+def test_every_package_folder_is_in_pyproject_and_the_configs_are_shipped_by_name():
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    folders = sorted(".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "grpo_accel").rglob("__init__.py"))
+    assert sorted(p for p in listed if "._shipped." not in p) == folders
+    from grpo_accel import shipped
+
+    assert shipped.find("accelerate", "zero3") == ROOT / "accelerate_configs" / "zero3.yaml"
+    assert shipped.find("recipe", "dapo") == ROOT / "launch" / "configs" / "dapo.yaml"
+    assert shipped.find("recipe", "my/own.yaml") == Path("my/own.yaml")  # a path: the reader says if it is missing
+    with pytest.raises(shipped.ShippedConfigError, match=r"--config 'dapoo': no such file, and no shipped config of "
+                                                         r"that name; give a path, or one of async, dapo, default"):
+        shipped.find("recipe", "dapoo")
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """A fresh venv with the wheel built from this checkout installed (its dependencies are the checkout venv's,
+    reached through a .pth file, so nothing is downloaded), and an empty folder outside the checkout to run in."""
+    root = tmp_path_factory.mktemp("installed")
+    build = run_in_group([sys.executable, "-m", "build", "--wheel", "--no-isolation", "-o", str(root / "dist"),
+                          str(ROOT)], timeout=300, cwd=root)
+    assert build.returncode == 0, build.stderr[-3000:]
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    Path(site, "checkout_venv_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    wheel = next((root / "dist").glob("grpo_accel-*.whl"))
+    pip = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+                         capture_output=True, text=True)
+    assert pip.returncode == 0, pip.stderr[-3000:]
+    empty = root / "elsewhere"
+    empty.mkdir()
+    return venv / "bin" / "grpo-accel", python, empty
+
+
+def run(installed, *args, timeout=600):
+    command, _, cwd = installed
+    proc = run_in_group([str(command), *args], timeout=timeout, cwd=cwd,
+                        env={"PATH": str(command.parent) + ":/usr/bin:/bin", "HOME": str(Path.home()),
+                             "DS_ACCELERATOR": "cpu", "GRPO_ACCEL_THREADS": "1"})
+    assert proc.returncode == 0, f"{args}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def test_the_installed_command_trains_alone_and_under_zero2_by_name_and_exports(installed):
+    command, python, empty = installed
+    where = subprocess.run([str(python), "-c", "import grpo_accel; print(grpo_accel.__file__)"], cwd=empty,
+                           capture_output=True, text=True, check=True).stdout
+    assert str(ROOT) not in where and "site-packages" in where, "the wheel's copy, not the checkout"
+    helped = run(installed, "train", "--help").stdout
+    assert "grpo-accel train" in helped and "  trainer.total_frames=128000" in helped
+    assert "zero3" in run(installed, "configs").stdout
+    run(installed, "train", "output_dir=one", "trainer.total_frames=256", "trainer.progress_bar=false")
+    assert json.loads((empty / "one" / "summary.json").read_text())["iterations"] == 2
+    run(installed, "train", "--accelerate-config", "zero2", "output_dir=two", "trainer.total_frames=256",
+        "trainer.progress_bar=false", f"weight_sync.master_port={free_port()}")
+    summary = json.loads((empty / "two" / "summary.json").read_text())
+    assert summary["iterations"] == 2 and summary["zero_stage"] == 2 and summary["num_processes"] == 2
+    checkpoint = sorted((empty / "two" / "checkpoints").glob("step_*"))[-1]
+    run(installed, "export", str(checkpoint), "exported")
+    assert (empty / "exported" / "config.json").is_file() and list((empty / "exported").glob("*.safetensors"))
+
+
+def test_report_draws_the_event_files_points(tmp_path):
+    out = tmp_path / "run"
+    assert train_in_process([f"output_dir={out}", "trainer.total_frames=384", "trainer.progress_bar=false",
+                             "trainer.log_timings=true"]) == 0
+    from grpo_accel.cli import main
+    from grpo_accel.reporting.event_files import read_scalars
+
+    assert main(["report", str(out)]) == 0
+    assert (out / "report.png").stat().st_size > 10_000
+    assert re.search(r"\| run \| 3 \| \d\.\d+ -> \d\.\d+ \|", (out / "report.md").read_text())
+    from grpo_accel.reporting.report import report
+
+    figure = report([out, out], tmp_path / "both")  # a run named twice: two lines per quantity
+    axes = {ax.get_title(): ax for ax in figure.axes}
+    assert list(axes) == ["reward (mean)", "completion length (tokens, mean)", "KL estimate", "clip fraction",
+                          "entropy (nats per token)", "seconds per batch"]
+    scalars = read_scalars(out / "tensorboard")
+    lines = {line.get_label(): line.get_xydata().tolist() for line in axes["reward (mean)"].lines}
+    assert lines["run: reward_mean"] == [[s, v] for s, v in scalars["train/reward_mean"]]
+    assert lines["run: reward/answer_match_mean"] == [[s, v] for s, v in scalars["train/reward/answer_match_mean"]]
+    assert len(lines) == 2 * 3, "both runs: the reward and its two functions' means"
+    timing = {line.get_label() for line in axes["seconds per batch"].lines}
+    assert "run: forward_backward" in timing and len(axes["KL estimate"].lines) == 2
+    with pytest.raises(SystemExit):
+        main(["report", str(tmp_path / "nothing")])
