@@ -72,9 +72,10 @@ def is_trl_config(data: dict) -> bool:
     """A config file written for ``trl grpo``: TRL's names at its top, none of grpo_accel's sections."""
     from grpo_accel.recipe.schema import GRPOConfig
 
-    ours = {f for f in GRPOConfig.__dataclass_fields__} - {"output_dir"}
+    shared = {"output_dir"}  # a key of both: a file holding it alone is grpo_accel's
     keys = set(data)
-    return bool(keys) and not keys & ours and bool(keys & (set(SAME) | HANDLED | set(NO_OPS)))
+    return not keys & (set(GRPOConfig.__dataclass_fields__) - shared) and bool(
+        keys & (set(SAME) | HANDLED | set(NO_OPS)) - shared)
 
 
 class TrlLayout:

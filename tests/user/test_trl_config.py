@@ -56,6 +56,13 @@ def test_a_trl_config_that_trl_would_refuse_is_refused_as_trl_would(tmp_path):
         translate({"num_generations": 3}, 1, rows=lambda _: 0)
 
 
+def test_a_file_of_grpo_accels_own_keys_is_never_read_as_trls():
+    from grpo_accel.recipe.trl_config import is_trl_config
+
+    assert not is_trl_config({"output_dir": "runs/x"}) and not is_trl_config({"optim": {"lr": 1e-6}, "seed": 1})
+    assert is_trl_config({"output_dir": "runs/x", "learning_rate": 1e-6})
+
+
 def test_what_has_no_counterpart_is_refused_one_line_each(tmp_path):
     path = tmp_path / "trl.yaml"
     path.write_text(yaml.safe_dump({"model_name_or_path": "Qwen/Qwen2.5-0.5B-Instruct", "use_vllm": True,
