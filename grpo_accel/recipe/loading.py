@@ -87,18 +87,22 @@ def from_trl(data: dict, path: Path) -> dict:
     if first_process():
         log.info("%s is a TRL config; read as (TRL's batch arithmetic over %d process(es)):\n  %s", path,
                  launch_world_size(), "\n  ".join(lines))
-    return settings
+    nested: dict = {}
+    for key, value in settings.items():
+        _set_dotted(nested, key, value)
+    return nested
 
 
 def _dataset_rows(settings: dict) -> int:
-    """Rows of the training data the translated ``settings`` name (TRL's num_train_epochs counts passes over it)."""
+    """Rows of the training data the translated ``settings`` (dotted keys) name (TRL's num_train_epochs counts passes
+    over it)."""
     from grpo_accel.recipe.dataset import load_rows
 
-    data = settings.get("data", {})
-    if data.get("path") is None:
+    if settings.get("data.path") is None:
         raise ConfigError("num_train_epochs: a TRL config needs dataset_name (a file, a saved folder or a hub id) to "
                           "count its rows; or give max_steps.")
-    return len(load_rows(data["path"], name=data.get("name"), split=data.get("split", "train"), key="dataset_name"))
+    return len(load_rows(settings["data.path"], name=settings.get("data.name"),
+                         split=settings.get("data.split", "train"), key="dataset_name"))
 
 
 LOCAL_PATHS = (("model", "name_or_path"), ("data", "path"), ("data", "eval_path"))

@@ -117,8 +117,8 @@ class TrlLayout:
 
 
 def translate(trl: dict, processes: int, rows: Callable[[dict], int]) -> tuple[dict, list[str]]:
-    """``trl`` (a TRL config's keys) as grpo_accel's nested settings, and one line per translated key. ``rows``
-    counts the dataset's rows (for ``num_train_epochs``)."""
+    """``trl`` (a TRL config's keys) as grpo_accel's settings (dotted keys: ``{"optim.lr": 1e-6, ...}``), and one line
+    per translated key. ``rows`` counts the rows of the dataset those settings name (for ``num_train_epochs``)."""
     refused = [f"{k}={v!r}: {_why(k)}" for k, v in trl.items()
                if k not in SAME and k not in HANDLED and not (k in NO_OPS and v in NO_OPS[k])]
     if refused:
@@ -163,7 +163,7 @@ def translate(trl: dict, processes: int, rows: Callable[[dict], int]) -> tuple[d
     _optim(trl, put)
     _run(trl, put)
     _rewards(trl, put)
-    return _nested(out), lines
+    return out, lines
 
 
 def _loss(trl: dict, put) -> None:
@@ -258,13 +258,3 @@ def _why(key: str) -> str:
         return "quantised training is not supported here; drop it"
     return "no counterpart here; drop it (docs/pages/coming-from-trl.md lists what each TRL setting becomes)"
 
-
-def _nested(flat: dict) -> dict:
-    out: dict = {}
-    for key, value in flat.items():
-        node = out
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return out

@@ -38,14 +38,32 @@ def test_trls_batch_arithmetic_is_reproduced(monkeypatch, tmp_path, processes, s
     assert (ours.generation, ours.steps_per_generation) == (theirs.generation_batch_size, theirs.steps_per_generation)
     steps = theirs.steps_per_generation * theirs.num_iterations // theirs.gradient_accumulation_steps
     settings_here, _ = translate({**settings, "max_steps": 3 * steps}, processes, rows=lambda _: 0)
-    cfg = load_config(None, [f"{section}.{k}={json.dumps(v)}" for section, values in settings_here.items()
-                             if isinstance(values, dict) for k, v in values.items() if section != "rewards"])
+    cfg = load_config(None, [f"{key}={json.dumps(v)}" for key, v in settings_here.items() if key != "rewards"])
     layout, micro_batch = batch_layout(cfg, processes)
     assert layout.completions == theirs.generation_batch_size and layout.group_size == theirs.num_generations
     per_batch = layout.optimizer_steps(micro_batch, cfg.trainer.gradient_accumulation_steps, cfg.trainer.num_epochs,
                                        cfg.trainer.optim_steps_per_batch)
     assert per_batch == steps  # one collected batch here is one TRL generation, with its optimizer steps
     assert cfg.trainer.total_frames == 3 * theirs.generation_batch_size  # max_steps=3 generations' steps
+
+
+def test_num_train_epochs_counts_the_rows_of_the_file_the_config_names(tmp_path, caplog):
+    """No max_steps (TRL's default): the run is num_train_epochs passes over dataset_name's rows, in whole
+    generations: 2 epochs x 9 rows x 4 completions = 72 frames, 5 generations of 16 (one optimizer step each)."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                            for a in range(3) for b in range(3)))
+    path = tmp_path / "trl.yaml"
+    path.write_text(yaml.safe_dump({"dataset_name": str(data), "num_train_epochs": 2, "num_generations": 4,
+                                    "per_device_train_batch_size": 8, "gradient_accumulation_steps": 2}))
+    with caplog.at_level(logging.INFO):
+        cfg = load_config(path)
+    assert cfg.data.path == str(data) and cfg.trainer.total_frames == 5 * 16
+    said = next(r.getMessage() for r in caplog.records if "is a TRL config" in r.getMessage())
+    assert "num_train_epochs=2 x 9 rows x num_generations=4 -> trainer.total_frames=80" in said
+    path.write_text(yaml.safe_dump({"num_train_epochs": 2}))  # no dataset to count: one line saying so
+    with pytest.raises(ConfigError, match="num_train_epochs: a TRL config needs dataset_name"):
+        load_config(path)
 
 
 def test_a_trl_config_that_trl_would_refuse_is_refused_as_trl_would(tmp_path):
