@@ -89,11 +89,12 @@ def fit_prompts(rows: list[dict], prompts: Prompts, max_tokens: int, policy: str
     over = [i for i, ids in enumerate(prompts.ids) if len(ids) > max_tokens]
     if policy == "error" or not over:
         return rows, prompts, over
+    overlong = set(over)
     if policy == "drop":
-        kept = [i for i in range(len(rows)) if i not in set(over)]
+        kept = [i for i in range(len(rows)) if i not in overlong]
         return [rows[i] for i in kept], prompts.take(kept), over
     ids = [row[-max_tokens:] for row in prompts.ids]
-    texts = [tokenizer.decode(ids[i]) if i in set(over) else text for i, text in enumerate(prompts.texts)]
+    texts = [tokenizer.decode(ids[i]) if i in overlong else text for i, text in enumerate(prompts.texts)]
     return rows, Prompts(texts, ids, prompts.messages), over
 
 

@@ -16,7 +16,7 @@ import copy
 import logging
 from pathlib import Path
 
-from grpo_accel.distributed import first_process
+from grpo_accel.distributed import first_process, full_numel
 from grpo_accel.layout import BatchLayout
 from grpo_accel.recipe.checks import ConfigError
 from grpo_accel.recipe.schema import GRPOConfig
@@ -252,8 +252,6 @@ def run_optimizer_steps(cfg: GRPOConfig, layout: BatchLayout, micro_batch: int) 
 def warn_unusual_settings(cfg: GRPOConfig, model) -> None:
     """One warning line per setting unusual for ``model`` (:func:`grpo_accel.recipe.defaults.unusual_settings`)."""
     from grpo_accel.recipe.defaults import unusual_settings
-
-    from grpo_accel.distributed import full_numel
 
     for line in unusual_settings(cfg, sum(full_numel(p) for p in model.parameters())):
         log.warning(line)

@@ -38,9 +38,10 @@ def load_rows(path: str | Path, *, name: str | None = None, split: str = "train"
 
 
 def _read_file(path: Path, where: str) -> list[dict]:
-    if path.suffix == ".json" and path.read_text().lstrip().startswith("["):  # one JSON array of row objects
+    text = path.read_text() if path.suffix in (".jsonl", ".json") else ""
+    if path.suffix == ".json" and text.lstrip().startswith("["):  # one JSON array of row objects
         try:
-            rows = json.loads(path.read_text())
+            rows = json.loads(text)
         except json.JSONDecodeError as exc:
             raise DataError(f"{where} is not JSON ({exc}); a .json file holds one array of row objects, or one "
                             "object per line.") from exc
@@ -50,7 +51,7 @@ def _read_file(path: Path, where: str) -> list[dict]:
         return rows
     if path.suffix in (".jsonl", ".json"):
         rows = []
-        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        for lineno, line in enumerate(text.splitlines(), start=1):
             if line.strip():
                 try:
                     rows.append(json.loads(line))

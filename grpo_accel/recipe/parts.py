@@ -86,12 +86,16 @@ def build_model(cfg: ModelConfig, tokenizer, seed: int = 0):
     return model
 
 
-def model_context(cfg: ModelConfig) -> int | None:
-    """The named model's positions per sequence (its config's ``max_position_embeddings``; None if it says none)."""
+def pretrained_config(cfg: ModelConfig):
+    """The named model's transformers config, read with the ``model.*`` loading settings."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
-    return getattr(config, "max_position_embeddings", None)
+    return AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
+
+
+def model_context(cfg: ModelConfig) -> int | None:
+    """The named model's positions per sequence (its config's ``max_position_embeddings``; None if it says none)."""
+    return getattr(pretrained_config(cfg), "max_position_embeddings", None)
 
 
 def pretrained_kwargs(cfg: ModelConfig) -> dict:
@@ -109,10 +113,7 @@ def pretrained_kwargs(cfg: ModelConfig) -> dict:
 def checkpoint_dtype(cfg: ModelConfig) -> str:
     """``model.dtype=auto``: the dtype the checkpoint's config names, when it is one weights train in (float32,
     bfloat16); anything else (float16, none named) float32."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code,
-                                        revision=cfg.revision)
+    config = pretrained_config(cfg)
     named = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "").removeprefix("torch.")
     return named if named in TRAINING_DTYPES else "float32"
 

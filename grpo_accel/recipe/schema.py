@@ -15,11 +15,11 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass, field
 
+from grpo_accel.data import OVERLONG
 from grpo_accel.recipe.checks import check_choice, check_key, check_rules
 from grpo_accel.recipe.defaults import fill_model_defaults
 from grpo_accel.recipe.rollout_schema import RewardConfig, RolloutConfig, WeightSyncConfig
 from grpo_accel.recipe.secrets import expand_secrets
-from grpo_accel.data import OVERLONG
 from grpo_accel.rules import TRAINING_DTYPES
 from grpo_accel.tasks import BUILTIN_TASKS
 from grpo_accel.tasks.tiny import TinyModelSpec  # the built-in model's sizes, written once there

@@ -45,12 +45,11 @@ def is_secret(path: str) -> bool:
     general = re.sub(r"\[\d+\]", "[]", path)
     if general in SECRET_SETTINGS:
         return True
-    inside = next((f for f in FREE_FORM if general.startswith(f + ".")), None)
-    return inside is not None and bool(SECRET_NAME.search(general.rsplit(".", 1)[-1]))
+    return any(general.startswith(f + ".") for f in FREE_FORM) and bool(SECRET_NAME.search(general.rsplit(".", 1)[-1]))
 
 
-def _leaves(node: Any, path: str = "") -> Iterator[tuple[Any, Any, str]]:
-    """(container, key, path) of every value under ``node``: a config's dataclasses, its dicts and lists."""
+def _leaves(node: Any, path: str = "") -> Iterator[tuple[Any, Any, str, Any]]:
+    """(container, key, path, value) of every value under ``node``: a config's dataclasses, its dicts and lists."""
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
         items = [(f.name, getattr(node, f.name)) for f in dataclasses.fields(node)]
     elif isinstance(node, dict):
@@ -64,7 +63,7 @@ def _leaves(node: Any, path: str = "") -> Iterator[tuple[Any, Any, str]]:
         if dataclasses.is_dataclass(value) or isinstance(value, (dict, list)):
             yield from _leaves(value, here)
         else:
-            yield node, key, here
+            yield node, key, here, value
 
 
 def _set(container: Any, key: Any, value: Any) -> None:
@@ -78,8 +77,7 @@ def expand_secrets(cfg) -> dict[str, str]:
     """Each secret of ``cfg`` written ``${NAME}`` replaced, in place, by environment variable NAME; returns
     ``{path: "${NAME}"}`` for :func:`record`. An unset variable is a ConfigError naming the setting."""
     references = {}
-    for container, key, path in list(_leaves(cfg)):
-        value = container[key] if isinstance(container, (dict, list)) else getattr(container, key)
+    for container, key, path, value in list(_leaves(cfg)):
         if not (isinstance(value, str) and is_secret(path) and (match := REFERENCE.fullmatch(value.strip()))):
             continue
         name = match.group(1)
@@ -95,8 +93,7 @@ def redact(settings: dict, references: dict[str, str] | None = None) -> dict:
     """``settings`` (a config as a dict) with each secret given literally as ``"***"`` and each one read from the
     environment as its reference; a value that is already either stays."""
     references = references or {}
-    for container, key, path in list(_leaves(settings)):
-        value = container[key]
+    for container, key, path, value in list(_leaves(settings)):
         if value is None or not is_secret(path):
             continue
         if path in references:

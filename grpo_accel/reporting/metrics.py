@@ -25,8 +25,8 @@ def rollout_scalars(accelerator, rollout: TensorDict, with_rewards: bool = True)
     all processes."""
     keys = [batch.REWARD] + [(batch.REWARDS, name) for name in rollout[batch.REWARDS].keys()]
     # e.g. dynamic sampling's "stats" and the reward functions' logged metrics: one value per row, averaged
-    stats = [("stats", k) for k in rollout["stats"].keys()] if "stats" in rollout.keys() else []
-    stats += [("reward_metrics", k) for k in rollout["reward_metrics"].keys()] if "reward_metrics" in rollout.keys() else []
+    stats = [(group, k) for group in ("stats", "reward_metrics") if group in rollout.keys()
+             for k in rollout[group].keys()]
     columns = [rollout[k].float() for k in keys] + [
         rollout[batch.COMPLETION_MASK].sum(-1).float(),
         (rollout[batch.FINISH_REASON] == batch.FINISH_LENGTH).float(),

@@ -87,6 +87,12 @@ TRAINER_ARGUMENTS = ("trainer_state", "log_extra", "log_metric")
 """What the trainer adds to every call besides the completions' fields (TRL's names)."""
 
 
+def per_completion(arguments: Mapping[str, Any], n: int) -> dict[str, list]:
+    """The arguments that hold one value per completion (of ``n``): prompts, completions, token ids, finish reasons,
+    dataset columns; not ``trainer_state`` nor the log callbacks."""
+    return {k: v for k, v in arguments.items() if isinstance(v, list) and len(v) == n}
+
+
 def positional_slots(params: list[inspect.Parameter], names) -> int:
     """How many of a function's first two parameters take ``prompts`` and ``completions`` by position: those that
     are positional-only or named none of ``names`` (the arguments it is called with)."""

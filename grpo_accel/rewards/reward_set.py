@@ -16,7 +16,7 @@ from grpo_accel.advantages import standardised
 from grpo_accel.errors import UserError
 from grpo_accel.rewards.builtin import RewardFn
 from grpo_accel.rewards.calling import (TRAINER_ARGUMENTS, RewardLog, TrainerState, as_messages, call_reward,
-                                        positional_slots, reads_text)
+                                        per_completion, positional_slots, reads_text)
 from grpo_accel.rewards.sources import RewardFault, RewardSource, is_finite_number
 from grpo_accel.rules import check_choice
 
@@ -217,9 +217,9 @@ def _form_hint(fn, arguments: dict, exc: Exception) -> str:
 
 def _first_failing_row(fn: RewardFn, arguments: dict) -> int | None:
     """The first completion that ``fn`` also fails on alone (None: it fails only on the whole batch)."""
-    n = len(arguments["completions"])
-    for i in range(n):
-        row = {k: v[i : i + 1] if isinstance(v, list) and len(v) == n else v for k, v in arguments.items()}
+    lists = per_completion(arguments, len(arguments["completions"]))
+    for i in range(len(arguments["completions"])):
+        row = {**arguments, **{k: v[i : i + 1] for k, v in lists.items()}}
         try:
             call_reward(fn, row)
         except Exception:  # noqa: BLE001 - any failure names the row

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from grpo_accel.errors import UserError
-from grpo_accel.rewards.calling import call_reward
+from grpo_accel.rewards.calling import call_reward, per_completion
 from grpo_accel.rules import setting
 
 logger = logging.getLogger(__name__)
@@ -104,13 +104,8 @@ def _serve(conn, fn: Callable) -> None:
 def _row(fields: dict, row: int, n: int) -> dict:
     """Row ``row`` of the per-completion fields for a worker process, and the values for all (the trainer's state);
     not what cannot cross to another process (log_extra, log_metric: a worker's calls are not logged)."""
-    out = {}
-    for key, value in fields.items():
-        if isinstance(value, list) and len(value) == n:
-            out[key] = [value[row]]
-        elif not callable(value):
-            out[key] = value
-    return out
+    shared = {k: v for k, v in fields.items() if not callable(v)}
+    return {**shared, **{k: v[row : row + 1] for k, v in per_completion(fields, n).items()}}
 
 
 class _Worker:
@@ -234,9 +229,8 @@ class RemoteReward(RewardSource):
         errors: list[int] = []
         for start in range(0, len(completions), self.batch_size):
             end = min(start + self.batch_size, len(completions))
-            body = {"prompts": prompts[start:end], "completions": completions[start:end],  # the per-completion
-                    "fields": {k: v[start:end] for k, v in fields.items()  # fields (not the trainer's state or
-                               if isinstance(v, list) and len(v) == len(completions)}}  # log callbacks)
+            body = {"prompts": prompts[start:end], "completions": completions[start:end],
+                    "fields": {k: v[start:end] for k, v in per_completion(fields, len(completions)).items()}}
             try:
                 answer = self.client.post(self.path, json.loads(json.dumps(body, default=str)))
                 got = answer.get("rewards") if isinstance(answer, dict) else None

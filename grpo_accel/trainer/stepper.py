@@ -85,7 +85,7 @@ class LearningRate:
 
     def __init__(self, optimizer: torch.optim.Optimizer, scheduler=None) -> None:
         self.optimizer, self.scheduler = optimizer, scheduler
-        self.given = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]  # the run's peaks
+        self.given = _peaks(optimizer.param_groups)  # the run's
         self.last = optimizer.param_groups[0]["lr"]  # the rate of the last optimizer step (train/lr)
 
     def step(self) -> None:
@@ -98,7 +98,7 @@ class LearningRate:
         """After a checkpoint's optimizer and schedule state were loaded: the given peaks back, and each group's
         rate the schedule's at its step; returns the (checkpoint's, this run's) peaks that differ."""
         groups = self.optimizer.param_groups
-        saved = [group.get("initial_lr", group["lr"]) for group in groups]
+        saved = _peaks(groups)
         if self.scheduler is not None and hasattr(self.scheduler, "lr_lambdas"):  # LambdaLR: transformers' schedules
             self.scheduler.base_lrs = list(self.given)
             rates = [base * f(self.scheduler.last_epoch) for base, f in zip(self.given, self.scheduler.lr_lambdas)]
@@ -112,3 +112,8 @@ class LearningRate:
                 group["initial_lr"] = given
             group["lr"] = rate
         return [(a, b) for a, b in zip(saved, self.given) if a != b]
+
+
+def _peaks(groups: list[dict]) -> list[float]:
+    """Each parameter group's peak rate: the one a schedule scales (its ``initial_lr``), else its rate."""
+    return [group.get("initial_lr", group["lr"]) for group in groups]

@@ -27,21 +27,16 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import socket
 import time
 import urllib.request
 from pathlib import Path
 
 from trl_parity import ROOT, readme_command, tiny_model_folder
 
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))  # the tests' launcher helpers
+from launching import free_port  # noqa: E402
 
-STANDIN = ROOT / "tests" / "on_sglang" / "sglang_standin"  # run as a program: nothing of the tests is imported
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+STANDIN = ROOT / "tests" / "on_sglang" / "sglang_standin"  # run as a program
 SGLANG_VERSION = "0.5.23"
 
 
