@@ -1,11 +1,17 @@
-"""mkdocs hook: the configuration reference page is rendered from the schema at build time
-(grpo_accel.recipe.reference, the same text ``grpo-accel train --help`` prints), so it cannot drift."""
+"""mkdocs hook: pages rendered from the code at build time, so that they cannot drift: the configuration reference
+(grpo_accel.recipe.reference, the same text ``grpo-accel train --help`` prints) and the TRL field lists
+(grpo_accel.recipe.reference.trl_markdown)."""
 MARKER = "<!-- generated: grpo_accel.recipe.reference.markdown() -->"
+TRL_MARKER = "<!-- generated: grpo_accel.recipe.reference.trl_markdown() -->"
 
 
 def on_page_markdown(markdown, page, config, files):
-    if MARKER not in markdown:
-        return markdown
-    from grpo_accel.recipe.reference import markdown as reference
+    if MARKER in markdown:
+        from grpo_accel.recipe.reference import markdown as reference
 
-    return markdown.replace(MARKER, reference())
+        markdown = markdown.replace(MARKER, reference())
+    if TRL_MARKER in markdown:
+        from grpo_accel.recipe.reference import trl_markdown as trl_fields
+
+        markdown = markdown.replace(TRL_MARKER, trl_fields())
+    return markdown

@@ -6,7 +6,7 @@ tokenising it, before any training starts. (Loading a config's dataset: :mod:`gr
 A row's prompt is a string (the model reads it as is) or a list of chat messages, TRL's conversational format
 ``[{"role": "system" | "user" | "assistant" | "tool", "content": str}, ...]``, which goes through the
 tokenizer's chat template with the generation prompt added (a ``system_prompt`` is prepended as a system
-message first).
+message first; a string prompt with a ``system_prompt`` becomes a system and a user message).
 """
 from __future__ import annotations
 
@@ -99,9 +99,12 @@ def fit_prompts(rows: list[dict], prompts: Prompts, max_tokens: int, policy: str
 
 
 def chat_messages(prompt: str | list[dict], system_prompt: str | None) -> list[dict] | None:
-    """The conversation of a chat prompt, ``system_prompt`` first unless it starts with its own; None for text."""
+    """The conversation of a chat prompt, ``system_prompt`` first unless it starts with its own; a text prompt with
+    a ``system_prompt`` is a system and a user message (as TRL-based recipe scripts make them: open-r1's
+    ``make_conversation``); None for text alone."""
     if isinstance(prompt, str):
-        return None
+        return None if system_prompt is None else [{"role": "system", "content": system_prompt},
+                                                   {"role": "user", "content": prompt}]
     if system_prompt is None or prompt[0]["role"] == "system":
         return list(prompt)
     return [{"role": "system", "content": system_prompt}, *prompt]

@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     from grpo_accel.shipped import find
 
     cfg = load_config(args.config and find("recipe", args.config), args.overrides)
+    logging.getLogger("grpo_accel").setLevel(cfg.trainer.log_level.upper())
     sys.argv[1:] = [redact_text(arg) for arg in sys.argv[1:]]  # trackers record the command line (W&B's args)
     configure_threads()
     keep_freed_memory()

@@ -5,14 +5,14 @@ and the forwards its logprobs take (:mod:`grpo_accel.loss.paths`: packed, shared
 """
 from grpo_accel.loss.grpo import (
     token_log_ratio, sequence_log_ratio, IMPORTANCE_LEVELS, clipped_surrogate, without_truncated,
-    truncated_is_weights, kl_k1, kl_k2, kl_k3, KL_ESTIMATORS, masked_token_sum, sequence_token_mean_sum,
+    engine_is_weights, TIS_MODES, kl_k1, kl_k2, kl_k3, KL_ESTIMATORS, masked_token_sum, sequence_token_mean_sum,
     token_units, sequence_units, constant_units, Aggregation, AGGREGATIONS, effective_sample_size,
     engine_mismatch, LOSS_OUTPUTS, KL_OUTPUTS, GRPOLoss,
 )
 
 __all__ = [
     "token_log_ratio", "sequence_log_ratio", "IMPORTANCE_LEVELS", "clipped_surrogate", "without_truncated",
-    "truncated_is_weights", "kl_k1", "kl_k2", "kl_k3", "KL_ESTIMATORS", "masked_token_sum",
+    "engine_is_weights", "TIS_MODES", "kl_k1", "kl_k2", "kl_k3", "KL_ESTIMATORS", "masked_token_sum",
     "sequence_token_mean_sum", "token_units", "sequence_units", "constant_units", "Aggregation", "AGGREGATIONS",
     "effective_sample_size", "engine_mismatch", "LOSS_OUTPUTS", "KL_OUTPUTS", "GRPOLoss",
 ]

@@ -8,6 +8,7 @@ into the objective by the trainer; every other key is a detached diagnostic.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -66,9 +67,26 @@ def without_truncated(mask: Tensor, finish_reason: Tensor) -> Tensor:  # [N, T],
     return mask * (finish_reason != batch.FINISH_LENGTH).to(mask.dtype)[:, None]
 
 
-def truncated_is_weights(old_logp: Tensor, engine_logp: Tensor, cap: float) -> Tensor:  # [N, T] -> [N, T]
-    """Truncated importance sampling against the inference engine: min(pi_old / pi_engine, cap), detached."""
-    return (old_logp - engine_logp).exp().clamp(max=cap).detach()
+def engine_is_weights(old_logp: Tensor, engine_logp: Tensor, mask: Tensor, mode: str = "token_truncate",
+                      cap: float | None = None, floor: float | None = None) -> Tensor:  # [N, T] x3 -> [N, T]
+    """Importance weights pi_old / pi_engine against the inference engine that sampled, detached (TRL's
+    ``vllm_importance_sampling_*``): per token or per completion (the product of its tokens' ratios), then
+    truncated into [floor, cap] or masked (0) outside it. Modes: token_truncate, token_mask, sequence_truncate,
+    sequence_mask."""
+    check_choice("tis_mode", mode, TIS_MODES, owner="GRPOLoss: ")
+    log_w = torch.nan_to_num((old_logp - engine_logp) * mask, nan=0.0)  # [N, T]: 0 outside the completion
+    if mode.startswith("sequence"):
+        log_w = log_w.sum(-1, keepdim=True)  # [N, 1]
+    w = log_w.exp()
+    if mode.endswith("truncate"):
+        w = w.clamp(min=floor, max=cap)
+    else:
+        w = w.masked_fill((w < (floor if floor is not None else -math.inf)) | (w > (cap if cap is not None else
+                                                                                        math.inf)), 0.0)
+    return w.expand_as(old_logp).detach()
+
+
+TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 # ---------------------------------------------------------------------------------------------------- KL
@@ -187,8 +205,13 @@ class GRPOLoss(LossModule):
             by that mode.
         importance_level: "token" (PPO/GRPO ratio) or "sequence" (GSPO's length-normalised sequence ratio;
             with aggregation "seq_mean_token_mean" this is exactly GSPO, with "token_mean" GSPO-token weighting).
-        tis_cap: if set, multiply each token's loss by min(pi_old / pi_engine, tis_cap) (truncated IS against
-            the inference engine's logprobs, key ``engine_logprobs``).
+        tis_cap: if set, weight each token's loss by pi_old / pi_engine against the inference engine's logprobs
+            (key ``engine_logprobs``), kept at most ``tis_cap`` (:func:`engine_is_weights`).
+        tis_mode: how: token_truncate (min(ratio, cap) per token), token_mask (0 where a token's ratio is outside
+            [tis_min, tis_cap]), sequence_truncate / sequence_mask (the same with each completion's ratio).
+        tis_min: the lower bound of that range (None: none).
+        kl_importance_weighted: multiply the KL term by the importance ratio (TRL's ``use_bias_correction_kl``:
+            the unbiased reverse-KL gradient when pi != pi_old).
         temperature: the sampling temperature; logits are divided by it, as the engine did.
         packing: padding-free logprobs (rows packed with per-row position ids, see
             ``logprobs.sequence_logprobs``). On first use with each model the packed logprobs are compared to the
@@ -220,6 +243,9 @@ class GRPOLoss(LossModule):
         max_completion_tokens: int | None = None,
         importance_level: str = "token",
         tis_cap: float | None = None,
+        tis_mode: str = "token_truncate",
+        tis_min: float | None = None,
+        kl_importance_weighted: bool = False,
         temperature: float = 1.0,
         packing: bool = False,
         shared_prompts: bool = True,
@@ -239,6 +265,7 @@ class GRPOLoss(LossModule):
         )
         check_choice("importance_level", importance_level, IMPORTANCE_LEVELS, owner="GRPOLoss: ")
         check("tis_cap", "tis_cap", tis_cap, owner="GRPOLoss: ")
+        check_choice("tis_mode", tis_mode, TIS_MODES, owner="GRPOLoss: ")
         check("temperature", "temperature", temperature, owner="GRPOLoss: ")
         # The reference is kept out of the parameter tree's gradients; under ZeRO it is sharded with the policy. A
         # reference that is no module (lora.BasePolicy: the policy with its adapter off) owns no parameters of its own.
@@ -249,6 +276,7 @@ class GRPOLoss(LossModule):
         self.kl_coef, self.kl_estimator = float(kl_coef), kl_estimator
         self.aggregation, self.max_completion_tokens = aggregation, max_completion_tokens
         self.importance_level, self.tis_cap, self.temperature = importance_level, tis_cap, float(temperature)
+        self.tis_mode, self.tis_min, self.kl_importance_weighted = tis_mode, tis_min, bool(kl_importance_weighted)
         self.packing, self.mask_truncated = bool(packing), bool(mask_truncated)
         self._paths = LogprobPaths(self.temperature, packing=self.packing, shared_prompts=bool(shared_prompts))
         self.shared_prompts = self._paths.shared_prompts  # off with packing
@@ -292,7 +320,8 @@ class GRPOLoss(LossModule):
         log_ratio = IMPORTANCE_LEVELS[self.importance_level](logp, old_logp, mask)
         token_loss, is_clipped = clipped_surrogate(log_ratio, td[batch.ADVANTAGES], self.eps_low, self.eps_high)
         if self.tis_cap is not None:
-            token_loss = token_loss * truncated_is_weights(old_logp, td[batch.ENGINE_LOGPROBS], self.tis_cap)
+            token_loss = token_loss * engine_is_weights(old_logp, td[batch.ENGINE_LOGPROBS], mask, self.tis_mode,
+                                                        self.tis_cap, self.tis_min)
         if normalizer is None:
             normalizer = self.units(td).clamp(min=1)  # no unit: nothing to train on, the loss is 0
         aggregate = AGGREGATIONS[self.aggregation]
@@ -302,8 +331,9 @@ class GRPOLoss(LossModule):
             if ref_logp is None:
                 with torch.no_grad():
                     ref_logp = self.logprobs(self.reference, td)
-            kl = KL_ESTIMATORS[self.kl_estimator](logp, ref_logp)
-            out["loss_kl"] = self.kl_coef * aggregate(kl, mask) / normalizer
+            kl = KL_ESTIMATORS[self.kl_estimator](logp, ref_logp)  # [N, T]
+            weighted = kl * log_ratio.exp() if self.kl_importance_weighted else kl
+            out["loss_kl"] = self.kl_coef * aggregate(weighted, mask) / normalizer
             out["kl_ref"] = _masked_mean(kl.detach(), mask)
         out.update(self._diagnostics(log_ratio.detach(), old_logp, logp.detach(), entropy, is_clipped, mask))
         if batch.ENGINE_LOGPROBS in td.keys():  # sync: pi_old is the trainer's view of the weights that sampled

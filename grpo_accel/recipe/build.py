@@ -108,7 +108,8 @@ def build_trainer(cfg: GRPOConfig):
         logger=trackers,
         clip_norm=cfg.optim.clip_norm, progress_bar=t.progress_bar, seed=t.seed,
         log_interval=t.log_interval, num_epochs=t.num_epochs, log_timings=t.log_timings,
-        log_rewards=t.log_rewards, log_kl=t.log_kl, log_samples=t.log_samples, accelerator=accelerator,
+        log_rewards=t.log_rewards, log_kl=t.log_kl, log_samples=t.log_samples, log_first=t.log_first,
+        accelerator=accelerator,
         checkpoint=checkpoint, save_trainer_interval=c.interval_frames, save_trainer_file=c.legacy_file,
         checkpoint_rotation=CheckpointRotation(c.keep_last, c.keep_best, c.best_metric, c.best_mode),
         checkpoint_metadata=lambda: {"config": record(cfg), "data": fingerprints,
@@ -207,7 +208,8 @@ def build_loss(cfg: GRPOConfig, model, reference):
     return GRPOLoss(
         model, reference, clip_epsilon=(lc.clip_eps_low, lc.clip_eps_high), kl_coef=lc.kl_coef,
         kl_estimator=lc.kl_estimator, aggregation=lc.aggregation, max_completion_tokens=cfg.rollout.max_completion_tokens,
-        importance_level=lc.importance_level, tis_cap=lc.tis_cap, temperature=cfg.rollout.temperature,
+        importance_level=lc.importance_level, tis_cap=lc.tis_cap, tis_mode=lc.tis_mode, tis_min=lc.tis_min,
+        kl_importance_weighted=lc.kl_importance_weighted, temperature=cfg.rollout.temperature,
         packing=lc.packing, shared_prompts=lc.shared_prompts, mask_truncated=lc.mask_truncated,
     )
 
@@ -220,15 +222,13 @@ def build_optimizer(cfg: GRPOConfig, model):
     from grpo_accel.lora import trainable_parameters
 
     o = cfg.optim
-    return torch.optim.AdamW(trainable_parameters(model), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
-                             fused=True)
+    return torch.optim.AdamW(trainable_parameters(model), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                             weight_decay=o.weight_decay, fused=True)
 
 
 def build_scheduler(o, optimizer, total_steps: int):
     """The learning-rate schedule of ``o`` (an OptimConfig) over a run of ``total_steps`` optimizer steps, or
     None for a constant rate without warmup."""
-    from grpo_accel.recipe.schema import SCHEDULERS
-
     warmup = o.warmup(total_steps)
     if warmup and warmup >= total_steps:
         key = "optim.warmup_steps" if o.warmup_steps else "optim.warmup_ratio"
@@ -237,9 +237,9 @@ def build_scheduler(o, optimizer, total_steps: int):
                           "(a tenth is usual), or train longer (trainer.total_frames).")
     if o.scheduler == "constant" and not warmup:
         return None
-    from transformers import get_scheduler
+    from grpo_accel.trainer.stepper import Schedule
 
-    return get_scheduler(SCHEDULERS[o.scheduler], optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+    return Schedule(optimizer, o.scheduler, warmup, total_steps, o.min_lr_ratio)
 
 
 def run_optimizer_steps(cfg: GRPOConfig, layout: BatchLayout, micro_batch: int) -> int:

@@ -22,7 +22,7 @@ import yaml
 from grpo_accel.recipe.checks import ConfigError, check_key
 from grpo_accel.recipe.rollout_schema import RewardConfig
 from grpo_accel.recipe.schema import GRPOConfig
-from grpo_accel.recipe.trl_names import trl_hint
+from grpo_accel.recipe.trl_fields import trl_hint
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +41,42 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         data = from_trl(data, path)
     for item in overrides:
         key, sep, raw = item.partition("=")
-        if not sep or not key:
+        if not sep or not key.strip():
             raise ConfigError(f"override {item!r} is not key=value; write e.g. trainer.total_frames=256.")
-        _set_dotted(data, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+        _set_dotted(data, key.strip(), override_value(key.strip(), raw))
     if problems := key_problems(GRPOConfig, data, ""):  # every unknown key at once, not one per run
         raise ConfigError(problems[0] if len(problems) == 1 else
                           f"{len(problems)} settings are not keys here:\n  " + "\n  ".join(problems))
     return _resolve_paths(_build(GRPOConfig, data, ""))
+
+
+def override_value(key: str, raw: str) -> Any:
+    """A command line's ``key=raw`` value: ``raw`` read as YAML (``256``, ``[a, b]``, ``null``), or the text itself
+    where YAML cannot read it (a newline, ``<think>``, ``{%``) or where ``key`` is a text setting and YAML reads
+    something else (``Answer: 42`` is a mapping to YAML)."""
+    if not raw.strip():
+        return None
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+    if value is not None and not isinstance(value, str) and _takes_text(key):
+        return raw
+    return value
+
+
+def _takes_text(key: str) -> bool:
+    """The setting ``key`` (dotted) holds text: its type is ``str`` (or ``str | None``)."""
+    cls: Any = GRPOConfig
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(cls):
+            return False
+        tp = typing.get_type_hints(cls).get(part)
+        if tp is None:
+            return False
+        cls = tp
+    args = [a for a in typing.get_args(cls) if a is not type(None)]
+    return cls is str or (typing.get_origin(cls) in (typing.Union, types.UnionType) and args == [str])
 
 
 def key_problems(cls, data: Any, prefix: str) -> list[str]:
@@ -75,20 +104,36 @@ def key_problems(cls, data: Any, prefix: str) -> list[str]:
 
 
 def from_trl(data: dict, path: Path) -> dict:
-    """``data`` itself, or, when it is a ``trl grpo`` config file (:mod:`grpo_accel.recipe.trl_config`), its
-    translation, said once (one line per setting)."""
-    from grpo_accel.recipe.trl_config import is_trl_config, translate
+    """``data`` with its dotted keys nested; where it holds ``trl grpo`` keys (:mod:`grpo_accel.recipe.trl_config`),
+    their translation, said once (one line per setting), under grpo_accel's own settings of the same file. A
+    setting that both give is an error naming the two."""
+    from grpo_accel.recipe.trl_config import translation, trl_keys
 
-    if not isinstance(data, dict) or not is_trl_config(data):
+    if not isinstance(data, dict):
         return data
+    names = trl_keys(data)
+    ours: dict = {}
+    for key, value in data.items():
+        if key not in names:
+            _set_dotted(ours, str(key), value)
+    if not names:
+        return ours
     from grpo_accel.distributed import first_process, launch_world_size
 
-    settings, lines = translate(data, launch_world_size(), _dataset_rows)
+    given = flatten_keys(ours)
+    t = translation({k: data[k] for k in data if k in names}, launch_world_size(),
+                    lambda settings: _dataset_rows({**settings, **given}))
+    if "rewards" not in t.settings and "rewards" not in given:
+        raise ConfigError(f"{path}: TRL's settings without reward_funcs or reward_model_name_or_path: TRL's trainer "
+                          "needs a reward; give reward_funcs (e.g. [accuracy_reward]) or grpo_accel's rewards.")
+    both = [f"{key}: given as {key} and by TRL's {t.sources[key]}" for key in given if t.sources.get(key)]
+    if both:
+        raise ConfigError(f"{path}: " + "; ".join(both) + "; keep one of each.")
     if first_process():
-        log.info("%s is a TRL config; read as (TRL's batch arithmetic over %d process(es)):\n  %s", path,
-                 launch_world_size(), "\n  ".join(lines))
+        log.info("%s holds TRL's settings; read as (TRL's batch arithmetic over %d process(es)):\n  %s", path,
+                 launch_world_size(), "\n  ".join(t.lines))
     nested: dict = {}
-    for key, value in settings.items():
+    for key, value in {**t.settings, **given}.items():
         _set_dotted(nested, key, value)
     return nested
 
@@ -252,6 +297,8 @@ def _differences(saved: dict, current: dict) -> list[tuple[str, str]]:
     """(key, ``key: saved -> current``) for every setting whose value differs, in key order; each reward entry's
     fields apart (``rewards[0].url``)."""
     a = {RENAMED.get(k, k): v for k, v in flatten_keys(saved).items()}
+    # a setting added since the checkpoint was saved had its default there
+    a = {**{k: v for k, v in flatten_keys(to_dict(GRPOConfig())).items() if k != "rewards"}, **a}
     if isinstance(a.get("rewards"), list):  # entries saved before a reward setting existed have its default
         defaults = to_dict(RewardConfig())
         a["rewards"] = [{**{k: v for k, v in defaults.items() if k not in ("name", "weight", "kwargs")}, **r}

@@ -2,6 +2,8 @@
 the reward set, the multi-turn environment. :mod:`grpo_accel.recipe.build` wires them into a trainer."""
 from __future__ import annotations
 
+import collections
+
 import copy
 import dataclasses
 import functools
@@ -25,7 +27,15 @@ def build_tokenizer_and_model(cfg: ModelConfig, seed: int = 0):
 
 def build_tokenizer(cfg: ModelConfig):
     """The built-in character tokenizer, or the named model's, after checking that its folder holds a model:
-    everything about ``model.name_or_path`` that can be refused before any process group starts."""
+    everything about ``model.name_or_path`` that can be refused before any process group starts; with
+    ``model.chat_template``, that template in place of its own."""
+    tokenizer = _named_tokenizer(cfg)
+    if cfg.chat_template is not None:
+        tokenizer.chat_template = cfg.chat_template
+    return tokenizer
+
+
+def _named_tokenizer(cfg: ModelConfig):
     if cfg.name_or_path is None:
         from grpo_accel.tasks.tiny import build_char_tokenizer
 
@@ -252,8 +262,17 @@ def build_rewards(cfgs: list[RewardConfig], max_new_tokens: int | None = None,
     """The set of ``rewards`` (each entry: a function, a reward model or a reward service, with its limits);
     ``overlong_penalty`` gets ``max_tokens=max_new_tokens`` unless its kwargs set it; a reward model loads with
     ``model``'s trust_remote_code and attn_implementation unless its kwargs set them."""
-    return RewardSet({c.name: build_reward(c, max_new_tokens, model) for c in cfgs}, {c.name: c.weight for c in cfgs},
-                     {c.name: c.normalize for c in cfgs})
+    names = logged_names([c.name for c in cfgs])
+    return RewardSet({names[c.name]: build_reward(c, max_new_tokens, model) for c in cfgs},
+                     {names[c.name]: c.weight for c in cfgs}, {names[c.name]: c.normalize for c in cfgs})
+
+
+def logged_names(names: list[str]) -> dict[str, str]:
+    """Each reward's name in metrics and messages: a function named by its module path by the function's own name
+    (``trl.rewards:accuracy_reward`` -> ``accuracy_reward``, as TRL logs it), the whole path where two share it."""
+    short = {name: name.rsplit(":", 1)[-1] for name in names}
+    counts = collections.Counter(short.values())
+    return {name: s if counts[s] == 1 else name for name, s in short.items()}
 
 
 def build_reward(c: RewardConfig, max_new_tokens: int | None = None, model: ModelConfig | None = None):

@@ -82,3 +82,22 @@ def markdown() -> str:
         parts += [f"| `{k.name}` | `{k.type}` | `{k.default}` | {k.meaning.replace('|', '&#124;')} |" for k in rows]
         parts.append("")
     return "\n".join(parts)
+
+
+def trl_markdown() -> str:
+    """The three lists of :mod:`grpo_accel.recipe.trl_fields` as the docs' tables (docs/pages/coming-from-trl.md,
+    rendered at build time)."""
+    from grpo_accel.recipe.trl_fields import NO_EFFECT, REFUSED, TRANSLATED
+
+    def rows(entries):
+        return "\n".join(entries)
+
+    translated = rows(f"| `{name}` | {f'`{t.key}`' if t.key else '—'} | {t.note} |" for name, t in TRANSLATED.items())
+    inert = rows(f"| `{name}` | {i.why} |" for name, i in NO_EFFECT.items())
+    refused = rows(f"| `{name}` | {r.why} | {', '.join(f'`{v!r}`' for v in r.harmless)} |"
+                   for name, r in REFUSED.items())
+    return (f"### Translated ({len(TRANSLATED)})\n\n| TRL | here | unit / note |\n|---|---|---|\n{translated}\n\n"
+            f"### No effect here ({len(NO_EFFECT)})\n\nAccepted, and named once at start.\n\n| TRL | why |\n"
+            f"|---|---|\n{inert}\n\n### Refused ({len(REFUSED)})\n\nOne line each, with the reason; the values "
+            f"in the last column ask for nothing and are accepted.\n\n| TRL | why | accepted |\n|---|---|---|\n"
+            f"{refused}\n")

@@ -80,6 +80,8 @@ class ModelConfig:
     """Hub models: the branch, tag or commit to load (from_pretrained's revision); null: the default branch."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapter settings (model.lora.r > 0 turns it on)."""
+    chat_template: str | None = None
+    """A Jinja chat template used in place of the tokenizer's own (open-r1's chat_template); null: its own."""
 
     def __post_init__(self) -> None:
         check_rules("model", self, hidden_size="positive_count", num_layers="positive_count",
@@ -108,7 +110,8 @@ class DataConfig:
     """Column holding the prompt: a string, or a list of chat messages [{role, content}] for the chat template;
     every other column is passed to the reward functions."""
     system_prompt: str | None = None
-    """Prepended as a system message to every chat-formatted prompt that has none."""
+    """Prepended as a system message to every chat-formatted prompt that has none; a text prompt with it becomes a
+    system and a user message for the chat template (open-r1's system_prompt), so chat rewards get messages."""
     eval_path: str | None = None
     """Held-out rows for evaluation, in any form data.path takes (the built-in task uses holdout instead)."""
     eval_split: str | None = None
@@ -167,7 +170,14 @@ class LossConfig:
     importance_level: str = "token"
     """token: per-token ratio (GRPO); sequence: length-normalised sequence ratio (GSPO)."""
     tis_cap: float | None = None
-    """Truncated importance sampling against the engine's logprobs: weight min(pi_old/pi_engine, cap); None = off."""
+    """Importance sampling against the engine's logprobs: weight pi_old/pi_engine, kept at most this; None = off."""
+    tis_mode: str = "token_truncate"
+    """token_truncate (each token's ratio, at most tis_cap), token_mask (0 outside [tis_min, tis_cap]), or
+    sequence_truncate / sequence_mask (each completion's ratio); TRL's vLLM default: sequence_mask, cap 3."""
+    tis_min: float | None = None
+    """The lower bound of that range (None: none)."""
+    kl_importance_weighted: bool = False
+    """KL term x the ratio pi/pi_old (TRL's use_bias_correction_kl: the unbiased reverse-KL gradient)."""
     scale_advantages: bool = True
     """Divide group-centred rewards by the group's std (off for Dr. GRPO)."""
     leave_one_out: bool = False
@@ -190,10 +200,12 @@ class LossConfig:
         check_choice("loss.kl_estimator", self.kl_estimator, tuple(KL_ESTIMATORS))
         check_choice("loss.aggregation", self.aggregation, tuple(AGGREGATIONS))
         check_choice("loss.importance_level", self.importance_level, tuple(IMPORTANCE_LEVELS))
+        from grpo_accel.loss import TIS_MODES
+
+        check_choice("loss.tis_mode", self.tis_mode, TIS_MODES)
 
 
-SCHEDULERS = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
-"""optim.scheduler -> its schedule's name in ``transformers.get_scheduler`` (each after a linear warmup)."""
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass
@@ -205,11 +217,15 @@ class OptimConfig:
     """AdamW weight decay (decoupled)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
     """AdamW betas: the gradient and squared-gradient moving averages."""
+    eps: float = 1e-8
+    """AdamW's epsilon, added to the squared-gradient root (TRL's adam_epsilon)."""
     clip_norm: float | None = 1.0
     """Gradient clipping norm; null turns it off."""
     scheduler: str = "constant"
     """Learning rate after warmup, over the run's optimizer steps: constant, linear (down to 0 at the last step) or
-    cosine (half a cosine down to 0 at the last step)."""
+    cosine (half a cosine down to optim.min_lr_ratio x optim.lr at the last step)."""
+    min_lr_ratio: float = 0.0
+    """cosine's floor as a share of optim.lr (TRL's cosine_with_min_lr with min_lr_rate)."""
     warmup_steps: int = 0
     """Optimizer steps over which the learning rate rises linearly from 0 to optim.lr (0: none)."""
     warmup_ratio: float = 0.0
@@ -218,7 +234,11 @@ class OptimConfig:
     def __post_init__(self) -> None:
         check_key(self.lr is None or self.lr > 0, "optim.lr", self.lr, "must be > 0.")
         check_key(len(self.betas) == 2, "optim.betas", self.betas, "give two values, e.g. [0.9, 0.99].")
-        check_choice("optim.scheduler", self.scheduler, tuple(SCHEDULERS))
+        from grpo_accel.trainer.stepper import SCHEDULES
+        check_choice("optim.scheduler", self.scheduler, SCHEDULES)
+        check_key(0 <= self.min_lr_ratio < 1, "optim.min_lr_ratio", self.min_lr_ratio,
+                  "use a share of optim.lr in [0, 1), e.g. 0.1.")
+        check_key(self.eps > 0, "optim.eps", self.eps, "must be > 0, e.g. 1e-8.")
         check_rules("optim", self, warmup_steps="non_negative_count")
         check_key(0 <= self.warmup_ratio < 1, "optim.warmup_ratio", self.warmup_ratio,
                   "use a share of the run's optimizer steps in [0, 1), e.g. 0.1.")
@@ -259,6 +279,10 @@ class GRPOTrainerConfig:
     """Seeds torch, the data order and every sampling key: the same seed draws the same run."""
     log_interval: int = 1
     """Frames between logs (1: every collected batch)."""
+    log_first: bool = False
+    """Log the first collected batch too, whatever log_interval says (TRL's logging_first_step)."""
+    log_level: str = "info"
+    """The main process's console: debug, info, warning or error (grpo_accel's own lines)."""
     progress_bar: bool = True
     """A tqdm bar over completions (frames) on the main process."""
     log_timings: bool = False
@@ -289,6 +313,7 @@ class GRPOTrainerConfig:
                     gradient_accumulation_steps="positive_count", log_interval="positive_count",
                     weight_update_frequency="positive_count", optim_steps_per_batch="optional_count",
                     log_samples="log_samples", max_staleness="max_staleness")
+        check_choice("trainer.log_level", self.log_level, LOG_LEVELS)
         check_key(self.micro_batch_completions == "auto" or self.micro_batch_completions >= 1,
                   "trainer.micro_batch_completions", self.micro_batch_completions, "must be >= 1 or auto.")
         if self.mixed_precision is not None:  # null: filled by GRPOConfig (grpo_accel.recipe.defaults)

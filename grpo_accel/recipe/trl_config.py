@@ -16,245 +16,214 @@ num_generations``, ``trainer.micro_batch_completions = per_device_train_batch_si
 (optimizer steps per generation)`` frames: ``max_steps``, ``logging_steps`` and ``save_steps`` become frames by
 that factor (``num_train_epochs``: epochs x the dataset's rows x num_generations). Settings TRL's file leaves out
 take TRL's defaults where grpo_accel's differ (a linear schedule, clip range 0.2 on both sides, Adam's beta2 0.999,
-seed 42, 512 new tokens, 3 epochs, logging every 10 steps, saving every 500). A key with no counterpart here (vLLM's,
-quantisation) is refused, one line each.
+seed 42, 512 new tokens, 3 epochs, logging every 10 steps, saving every 500).
+
+Every key is in one of :mod:`grpo_accel.recipe.trl_fields`' lists: translated by the rules below, named once as
+having no effect here, or refused in one line with the reason. A file may mix TRL's flat names with grpo_accel's
+settings (nested sections or dotted keys): each is read by its own side, and a setting given by both is an error.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 from grpo_accel.recipe.checks import ConfigError
+from grpo_accel.recipe.trl_fields import NO_EFFECT, REFUSED, TRANSLATED, TRL_KEYS
+from grpo_accel.recipe.trl_rules import (TRL_DEFAULTS, Translation, TrlLayout, evaluation_rules, logging_rules, reward_rules,
+                                         vllm_rules)
 
-TRL_DEFAULTS = {  # TRL 1.16's, where they matter here
-    "learning_rate": 1e-6, "lr_scheduler_type": "linear", "adam_beta1": 0.9, "adam_beta2": 0.999, "epsilon": 0.2,
-    "seed": 42, "max_completion_length": 512, "num_train_epochs": 3.0, "max_steps": -1, "logging_steps": 10,
-    "save_steps": 500, "save_strategy": "steps", "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1,
-    "num_generations": 8, "num_iterations": 1, "loss_type": "dapo",
-}
-SAME = {  # TRL name -> the setting here, the value as it is
-    "model_name_or_path": "model.name_or_path", "model_revision": "model.revision", "dtype": "model.dtype",
-    "torch_dtype": "model.dtype", "attn_implementation": "model.attn_implementation",
-    "trust_remote_code": "model.trust_remote_code", "gradient_checkpointing": "model.gradient_checkpointing",
-    "lora_r": "model.lora.r", "lora_alpha": "model.lora.alpha", "lora_dropout": "model.lora.dropout",
-    "lora_target_modules": "model.lora.target_modules",
-    "dataset_name": "data.path", "dataset_config": "data.name", "dataset_train_split": "data.split",
-    "learning_rate": "optim.lr", "weight_decay": "optim.weight_decay", "max_grad_norm": "optim.clip_norm",
-    "num_generations": "rollout.group_size", "temperature": "rollout.temperature", "top_p": "rollout.top_p",
-    "top_k": "rollout.top_k", "max_completion_length": "rollout.max_new_tokens",
-    "max_prompt_length": "rollout.max_prompt_tokens",
-    "per_device_train_batch_size": "trainer.micro_batch_completions",
-    "gradient_accumulation_steps": "trainer.gradient_accumulation_steps", "num_iterations": "trainer.num_epochs",
-    "seed": "trainer.seed", "run_name": "trainer.run_name", "output_dir": "output_dir",
-    "beta": "loss.kl_coef", "epsilon_high": "loss.clip_eps_high", "importance_sampling_level": "loss.importance_level",
-    "mask_truncated_completions": "loss.mask_truncated", "vllm_importance_sampling_cap": "loss.tis_cap",
-    "save_total_limit": "checkpoint.keep_last", "ds3_gather_for_generation": "rollout.zero3_gather_full",
-}
 LOSS_TYPES = {"grpo": "seq_mean_token_mean", "dapo": "token_mean", "dr_grpo": "seq_mean_token_sum_norm"}
-SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
-TRL_REWARDS = {"accuracy_reward": "trl.rewards:accuracy_reward", "think_format_reward": "trl.rewards:think_format_reward",
-               "reasoning_accuracy_reward": "trl.rewards:reasoning_accuracy_reward"}
-NO_OPS = {  # keys whose value (these) changes nothing here
-    "use_vllm": (False,), "logging_strategy": ("steps",), "eval_strategy": ("no",), "do_eval": (False,),
-    "push_to_hub": (False,), "use_peft": (True, False), "shuffle_dataset": (True,), "remove_unused_columns": (False,),
-    "log_completions": (True, False), "dataset_streaming": (False,),
-    "disable_dropout": (False,), "overwrite_output_dir": (True, False),
-}
-HANDLED = {"max_steps", "num_train_epochs", "logging_steps", "save_steps", "generation_batch_size",
-           "steps_per_generation", "loss_type", "scale_rewards", "lr_scheduler_type", "warmup_steps", "warmup_ratio",
-           "adam_beta1", "adam_beta2", "epsilon", "bf16", "fp16", "report_to", "reward_funcs", "reward_weights",
-           "reward_model_name_or_path", "use_peft", "num_completions_to_print", "save_strategy",
-           "dataset_test_split", "eval_strategy"}
-"""TRL names translated by a rule of their own (units, value maps, TRL's defaults)."""
+SCHEDULES = {"linear": "linear", "cosine": "cosine", "cosine_with_min_lr": "cosine", "constant": "constant",
+             "constant_with_warmup": "constant"}
+MODEL_INIT = {"dtype": "model.dtype", "torch_dtype": "model.dtype", "attn_implementation": "model.attn_implementation",
+              "revision": "model.revision", "trust_remote_code": "model.trust_remote_code"}
+RULED = {"model_init_kwargs", "gradient_checkpointing_kwargs", "use_peft", "lora_r", "lora_alpha", "lora_dropout",
+         "lora_target_modules", "dataset_test_split", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps",
+         "warmup_ratio", "adam_beta1", "adam_beta2", "generation_batch_size", "steps_per_generation",
+         "use_bias_correction_kl", "epsilon", "loss_type", "scale_rewards", "reward_funcs", "reward_weights",
+         "reward_model_name_or_path", "max_completion_len", "soft_punish_cache", "max_steps", "num_train_epochs",
+         "bf16", "fp16", "logging_strategy", "logging_steps", "log_level", "disable_tqdm", "report_to",
+         "wandb_entity", "wandb_run_group", "trackio_space_id", "log_completions", "num_completions_to_print",
+         "eval_strategy", "eval_steps", "save_strategy", "save_steps", "resume_from_checkpoint"} | {
+    k for k in TRANSLATED if k.startswith("vllm_") or k == "use_vllm"}
+"""TRL names translated by a rule of their own (units, value maps, TRL's defaults); every other translated name is
+its setting, the value as it is."""
+DIRECT = {name: t.key for name, t in TRANSLATED.items() if name not in RULED}
+
+
+def trl_keys(data: dict) -> set[str]:
+    """The keys of ``data`` that are TRL's: its names, less those that are grpo_accel's sections here (``optim``
+    as a mapping) or settings of both (``output_dir``)."""
+    from grpo_accel.recipe.schema import GRPOConfig
+
+    ours = set(GRPOConfig.__dataclass_fields__)
+    return {k for k in data if k in TRL_KEYS and not (k in ours and (isinstance(data[k], dict) or k == "output_dir"))}
 
 
 def is_trl_config(data: dict) -> bool:
-    """A config file written for ``trl grpo``: TRL's names at its top, none of grpo_accel's sections."""
-    from grpo_accel.recipe.schema import GRPOConfig
-
-    shared = {"output_dir"}  # a key of both: a file holding it alone is grpo_accel's
-    keys = set(data)
-    return not keys & (set(GRPOConfig.__dataclass_fields__) - shared) and bool(
-        keys & (set(SAME) | HANDLED | set(NO_OPS)) - shared)
-
-
-class TrlLayout:
-    """TRL's batch arithmetic for one config (``GRPOConfig.__post_init__``, TRL 1.16) over ``processes``."""
-
-    def __init__(self, trl: dict, processes: int) -> None:
-        get = lambda k: trl.get(k, TRL_DEFAULTS.get(k))  # noqa: E731
-        self.per_device, self.accumulation = int(get("per_device_train_batch_size")), int(get("gradient_accumulation_steps"))
-        self.group, self.iterations = int(get("num_generations")), int(get("num_iterations"))
-        per_step = self.per_device * processes  # completions of one micro-step over every process
-        generation, steps = trl.get("generation_batch_size"), trl.get("steps_per_generation")
-        if generation is not None and steps is not None:
-            raise ConfigError("generation_batch_size and steps_per_generation: TRL takes one of them, not both; "
-                              "drop one.")
-        if generation is None:
-            steps = steps or self.accumulation
-            generation = per_step * steps
-        elif generation % per_step:
-            raise ConfigError(f"generation_batch_size={generation}: TRL needs it divisible by per_device_train_batch_"
-                              f"size x processes = {per_step}; change one of them.")
-        self.steps_per_generation, self.generation = generation // per_step, generation
-        if generation % self.group:
-            raise ConfigError(f"generation_batch_size={generation}: TRL needs whole prompt groups, divisible by "
-                              f"num_generations={self.group}; change one of them.")
-        optimizer_steps = self.steps_per_generation * self.iterations
-        if optimizer_steps % self.accumulation:
-            raise ConfigError(f"gradient_accumulation_steps={self.accumulation}: {self.steps_per_generation} micro-steps "
-                              f"per generation x num_iterations={self.iterations} are not whole optimizer steps; make "
-                              "steps_per_generation a multiple of it.")
-        self.optimizer_steps = optimizer_steps // self.accumulation  # per generation (= per collected batch here)
-
-    @property
-    def prompts(self) -> int:
-        return self.generation // self.group
-
-    def frames(self, steps: float) -> int:
-        """Frames (completions collected) over ``steps`` optimizer steps: whole generations."""
-        return math.ceil(steps / self.optimizer_steps) * self.generation
+    """A config file written for ``trl grpo``: at least one of TRL's names at its top (it may hold grpo_accel's
+    settings besides)."""
+    return bool(trl_keys(data))
 
 
 def translate(trl: dict, processes: int, rows: Callable[[dict], int]) -> tuple[dict, list[str]]:
     """``trl`` (a TRL config's keys) as grpo_accel's settings (dotted keys: ``{"optim.lr": 1e-6, ...}``), and one line
-    per translated key. ``rows`` counts the rows of the dataset those settings name (for ``num_train_epochs``)."""
-    refused = [f"{k}={v!r}: {_why(k)}" for k, v in trl.items()
-               if k not in SAME and k not in HANDLED and not (k in NO_OPS and v in NO_OPS[k])]
+    per translated key (the last names every key that has no effect here). ``rows`` counts the rows of the dataset
+    those settings name (for ``num_train_epochs`` and ``epoch`` strategies)."""
+    t = translation(trl, processes, rows)
+    return t.settings, t.lines
+
+
+def translation(trl: dict, processes: int, rows: Callable[[dict], int]) -> Translation:
+    """:func:`translate`'s settings and lines, with the TRL key each setting came from."""
+    refused = [f"{k}={v!r}: {REFUSED[k].why}; drop it" for k, v in trl.items()
+               if k in REFUSED and not _harmless(v, REFUSED[k].harmless)]
+    refused += [f"{k}={v!r}: not one of TRL's GRPO settings here (docs/pages/coming-from-trl.md lists them)"
+                for k, v in trl.items() if k not in TRL_KEYS]
     if refused:
-        raise ConfigError("a TRL config with settings that have no counterpart here:\n  " + "\n  ".join(refused))
-    out: dict[str, Any] = {}
-    lines: list[str] = []
-
-    def put(key: str, value: Any, source: str) -> None:
-        out[key] = value
-        lines.append(f"{source} -> {key}={value}")
-
-    for name, key in SAME.items():
+        raise ConfigError("a TRL config with settings that cannot be honoured here:\n  " + "\n  ".join(refused))
+    t = Translation(trl, processes, rows)
+    for name, key in DIRECT.items():
         if name in trl:
-            put(key, trl[name], f"{name}={trl[name]!r}")
+            t.put(key, trl[name], f"{name}={trl[name]!r}", name)
+    for name in trl:
+        if name in NO_EFFECT:
+            t.no_effect(name)
+        elif name in REFUSED:
+            t.no_effect(name, f"{trl[name]!r} asks for nothing")
     layout = TrlLayout(trl, processes)
-    put("rollout.prompts_per_batch", layout.prompts, f"generation_batch_size={layout.generation} / num_generations="
-        f"{layout.group} (TRL's default: per_device_train_batch_size x {processes} processes x steps_per_generation)")
-    for name in ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations"):
-        if name not in trl:  # TRL's default, where grpo_accel's differs
-            put(SAME[name], TRL_DEFAULTS[name], f"{name} (TRL's default {TRL_DEFAULTS[name]})")
-    per_step = layout.generation / layout.optimizer_steps  # frames collected per optimizer step
-    steps = trl.get("max_steps", -1)
+    _batches(t, layout)
+    _length(t, layout)
+    _model(t)
+    _loss(t)
+    _optim(t)
+    logging_rules(t, layout)
+    evaluation_rules(t, layout)
+    vllm_rules(t)
+    reward_rules(t)
+    if t.inert:
+        t.lines.append("no effect here: " + ", ".join(t.inert))
+    return t
+
+
+def _harmless(value: Any, harmless: tuple) -> bool:
+    """``value`` is one of ``harmless`` (YAML's false is not 0)."""
+    return any(value == h and isinstance(value, bool) == isinstance(h, bool) for h in harmless)
+
+
+def _batches(t: Translation, layout: TrlLayout) -> None:
+    t.put("rollout.prompts_per_batch", layout.prompts, f"generation_batch_size={layout.generation} / num_generations="
+          f"{layout.group} (TRL's default: per_device_train_batch_size x {t.processes} processes x "
+          "steps_per_generation)", "generation_batch_size" if "generation_batch_size" in t.trl else
+          "steps_per_generation" if "steps_per_generation" in t.trl else "")
+    for name in ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
+                 "seed", "max_completion_length", "learning_rate"):
+        if name not in t.trl:  # TRL's default, where grpo_accel's differs
+            t.put(DIRECT[name], TRL_DEFAULTS[name], f"{name} (TRL's default {TRL_DEFAULTS[name]})")
+
+
+def _length(t: Translation, layout: TrlLayout) -> None:
+    steps = t.get("max_steps")
     if steps is not None and steps > 0:
-        put("trainer.total_frames", layout.frames(steps), f"max_steps={steps} optimizer steps ({layout.optimizer_steps} "
-            f"per generation of {layout.generation} completions)")
+        t.put("trainer.total_frames", layout.frames(steps), f"max_steps={steps} optimizer steps "
+              f"({layout.optimizer_steps} per generation of {layout.generation} completions)", "max_steps")
     else:
-        epochs = float(trl.get("num_train_epochs", TRL_DEFAULTS["num_train_epochs"]))
-        count = rows(out)
-        frames = layout.frames(math.ceil(epochs * count * layout.group / per_step))
-        put("trainer.total_frames", frames, f"num_train_epochs={epochs:g} x {count} rows x num_generations="
-            f"{layout.group}")
-    logging = trl.get("logging_steps", TRL_DEFAULTS["logging_steps"])
-    put("trainer.log_interval", max(1, round(logging * per_step)), f"logging_steps={logging} x {per_step:g} frames "
-        "per optimizer step")
-    if trl.get("save_strategy", "steps") == "no":
-        put("checkpoint.interval_frames", None, "save_strategy='no' (a checkpoint at the end only)")
+        epochs = float(t.get("num_train_epochs"))
+        t.put("trainer.total_frames", t.epoch_frames(layout, epochs), f"num_train_epochs={epochs:g} x {t.rows()} "
+              f"rows x num_generations={layout.group}", "num_train_epochs")
+    total = t.settings["trainer.total_frames"]
+    strategy = t.get("save_strategy")
+    if strategy == "no":
+        t.put("checkpoint.interval_frames", None, "save_strategy='no' (a checkpoint at the end only)", "save_strategy")
+    elif strategy == "epoch":
+        t.put("checkpoint.interval_frames", t.epoch_frames(layout), "save_strategy='epoch' (one pass over the "
+              f"{t.rows()} rows)", "save_strategy")
+    elif strategy == "steps":
+        t.put("checkpoint.interval_frames", t.steps_to_frames(layout, "save_steps", total),
+              f"save_steps={t.get('save_steps')} optimizer steps", "save_steps")
     else:
-        saving = trl.get("save_steps", TRL_DEFAULTS["save_steps"])
-        put("checkpoint.interval_frames", max(1, round(saving * per_step)), f"save_steps={saving} x {per_step:g} "
-            "frames per optimizer step")
-    _loss(trl, put)
-    _optim(trl, put)
-    _run(trl, put)
-    _rewards(trl, put)
-    return out, lines
+        raise ConfigError(f"save_strategy={strategy!r}: here checkpoints are saved by steps, by epoch or not at all; "
+                          "use steps, epoch or no.")
+    if t.trl.get("resume_from_checkpoint") not in (None, False, ""):
+        value = t.trl["resume_from_checkpoint"]
+        t.put("checkpoint.resume", "auto" if value is True or value == "true" else str(value),
+              f"resume_from_checkpoint={value!r}", "resume_from_checkpoint")
 
 
-def _loss(trl: dict, put) -> None:
-    loss = trl.get("loss_type", TRL_DEFAULTS["loss_type"])
+def _model(t: Translation) -> None:
+    for key, value in (t.trl.get("model_init_kwargs") or {}).items():
+        if key not in MODEL_INIT:
+            raise ConfigError(f"model_init_kwargs.{key}={value!r}: the model is loaded here with "
+                              f"{sorted(MODEL_INIT)} only; drop it.")
+        t.put(MODEL_INIT[key], value, f"model_init_kwargs.{key}={value!r}", "model_init_kwargs")
+    extra = set(t.trl.get("gradient_checkpointing_kwargs") or {}) - {"use_reentrant"}
+    if extra:
+        raise ConfigError(f"gradient_checkpointing_kwargs: {sorted(extra)}: checkpointing here takes no arguments "
+                          "(it is always non-reentrant); drop them.")
+    if "gradient_checkpointing_kwargs" in t.trl:
+        t.no_effect("gradient_checkpointing_kwargs", "checkpointing here is non-reentrant: the same gradients")
+    lora = [k for k in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules") if k in t.trl]
+    if t.trl.get("use_peft"):
+        t.put("model.lora.r", t.trl.get("lora_r", 16), f"use_peft=True, lora_r={t.trl.get('lora_r', 16)}", "use_peft")
+        for name in lora[1:] if lora and lora[0] == "lora_r" else lora:
+            t.put(TRANSLATED[name].key, t.trl[name], f"{name}={t.trl[name]!r}", name)
+    else:
+        t.inert += [f"{name} (use_peft is off)" for name in lora]
+
+
+def _loss(t: Translation) -> None:
+    loss = t.get("loss_type")
     if loss not in LOSS_TYPES:
         raise ConfigError(f"loss_type={loss!r}: the TRL losses here are {sorted(LOSS_TYPES)}; use one of them.")
-    put("loss.aggregation", LOSS_TYPES[loss], f"loss_type={loss!r}")
-    epsilon = trl.get("epsilon", TRL_DEFAULTS["epsilon"])
-    put("loss.clip_eps_low", epsilon, f"epsilon={epsilon}")
-    if "epsilon_high" not in trl:
-        put("loss.clip_eps_high", epsilon, "epsilon_high (TRL's default: epsilon)")
-    scale = trl.get("scale_rewards", "group")
+    t.put("loss.aggregation", LOSS_TYPES[loss], f"loss_type={loss!r}", "loss_type")
+    epsilon = t.get("epsilon")
+    t.put("loss.clip_eps_low", epsilon, f"epsilon={epsilon}", "epsilon")
+    if "epsilon_high" not in t.trl:
+        t.put("loss.clip_eps_high", epsilon, "epsilon_high (TRL's default: epsilon)")
+    scale = t.trl.get("scale_rewards", "group")
     if scale not in ("group", "none", True, False):
         raise ConfigError(f"scale_rewards={scale!r}: here advantages are scaled within each group or not at all; "
                           "use group or none.")
-    put("loss.scale_advantages", scale in ("group", True), f"scale_rewards={scale!r}")
+    t.put("loss.scale_advantages", scale in ("group", True), f"scale_rewards={scale!r}", "scale_rewards")
+    if t.trl.get("beta"):
+        weighted = bool(t.get("use_bias_correction_kl"))
+        t.put("loss.kl_importance_weighted", weighted, f"use_bias_correction_kl={weighted} (TRL's default true) with "
+              f"beta={t.trl['beta']}", "use_bias_correction_kl" if "use_bias_correction_kl" in t.trl else "")
+    elif "use_bias_correction_kl" in t.trl:
+        t.no_effect("use_bias_correction_kl", "beta is 0")
 
 
-def _optim(trl: dict, put) -> None:
-    schedule = trl.get("lr_scheduler_type", TRL_DEFAULTS["lr_scheduler_type"])
+def _optim(t: Translation) -> None:
+    schedule = t.get("lr_scheduler_type")
     if schedule not in SCHEDULES:
         raise ConfigError(f"lr_scheduler_type={schedule!r}: the schedules here are {sorted(SCHEDULES)}; use one.")
-    put("optim.scheduler", SCHEDULES[schedule], f"lr_scheduler_type={schedule!r}")
-    if "learning_rate" not in trl:
-        put("optim.lr", TRL_DEFAULTS["learning_rate"], "learning_rate (TRL's default)")
-    betas = [trl.get("adam_beta1", TRL_DEFAULTS["adam_beta1"]), trl.get("adam_beta2", TRL_DEFAULTS["adam_beta2"])]
-    put("optim.betas", betas, "adam_beta1, adam_beta2")
-    warmup = trl.get("warmup_steps", 0)
-    if isinstance(warmup, float) and 0 < warmup < 1:  # TRL 1.16: a float below 1 is a ratio of the steps
-        put("optim.warmup_ratio", warmup, f"warmup_steps={warmup} (a ratio)")
-    elif warmup:
-        put("optim.warmup_steps", int(warmup), f"warmup_steps={warmup}")
-    if "warmup_ratio" in trl:
-        put("optim.warmup_ratio", trl["warmup_ratio"], f"warmup_ratio={trl['warmup_ratio']}")
-
-
-def _run(trl: dict, put) -> None:
-    if "seed" not in trl:
-        put("trainer.seed", TRL_DEFAULTS["seed"], "seed (TRL's default)")
-    if "max_completion_length" not in trl:
-        put("rollout.max_new_tokens", TRL_DEFAULTS["max_completion_length"], "max_completion_length (TRL's default)")
-    if trl.get("bf16") or trl.get("fp16"):
-        put("trainer.mixed_precision", "bf16" if trl.get("bf16") else "fp16", "bf16" if trl.get("bf16") else "fp16")
-    elif trl.get("bf16") is False and "bf16" in trl:
-        put("trainer.mixed_precision", "no", "bf16=False")
-    report = trl.get("report_to")
-    if report is not None:
-        names = [] if report in ("none", ["none"]) else [report] if isinstance(report, str) else list(report)
-        put("trainer.report_to", names, f"report_to={report!r}")
-    if trl.get("num_completions_to_print") is not None:
-        put("trainer.log_samples", trl["num_completions_to_print"], "num_completions_to_print")
-    if trl.get("eval_strategy", "no") != "no" and "dataset_test_split" in trl:
-        put("data.eval_split", trl["dataset_test_split"], f"dataset_test_split={trl['dataset_test_split']!r}")
-    if trl.get("use_peft") is False:
-        put("model.lora.r", 0, "use_peft=False")
-    elif trl.get("use_peft") and "lora_r" not in trl:
-        put("model.lora.r", 16, "use_peft=True (TRL's default lora_r 16)")
-
-
-def _rewards(trl: dict, put) -> None:
-    names = list(trl.get("reward_funcs") or [])
-    weights = trl.get("reward_weights") or [1.0] * (len(names) + bool(trl.get("reward_model_name_or_path")))
-    entries = []
-    if trl.get("reward_model_name_or_path"):
-        entries.append({"name": "reward_model", "path": trl["reward_model_name_or_path"]})
-    for name in names:
-        if name in TRL_REWARDS:
-            entries.append({"name": TRL_REWARDS[name]})
-        elif name == "get_soft_overlong_punishment":  # the values trl grpo uses; DAPO's penalty, built in here
-            entries.append({"name": "overlong_penalty", "kwargs": {"max_tokens": 1280, "cache_tokens": 256}})
-        elif "." in name:
-            module, attr = name.rsplit(".", 1)
-            entries.append({"name": f"{module}:{attr}"})
+    t.put("optim.scheduler", SCHEDULES[schedule], f"lr_scheduler_type={schedule!r}", "lr_scheduler_type")
+    kwargs = dict(t.trl.get("lr_scheduler_kwargs") or {})
+    if schedule == "cosine_with_min_lr":
+        if "min_lr_rate" in kwargs:
+            ratio = float(kwargs.pop("min_lr_rate"))
+        elif "min_lr" in kwargs:
+            ratio = float(kwargs.pop("min_lr")) / float(t.get("learning_rate"))
         else:
-            known = sorted([*TRL_REWARDS, "get_soft_overlong_punishment"])
-            raise ConfigError(f"reward_funcs: {name!r} is neither one of TRL's ({known}) nor a dotted import path "
-                              "(my_lib.rewards.custom_reward).")
-    if not entries:
-        return
-    if len(weights) != len(entries):
-        raise ConfigError(f"reward_weights={weights}: {len(weights)} weights for {len(entries)} reward functions; give "
-                          "one each.")
-    put("rewards", [{**e, "weight": float(w)} for e, w in zip(entries, weights)],
-        "reward_funcs" + (", reward_weights" if trl.get("reward_weights") else ""))
-
-
-def _why(key: str) -> str:
-    if key.startswith("vllm") or key == "use_vllm":
-        return ("vLLM is not an engine here: rollouts come from the trainer's own process (rollout.backend=embedded) "
-                "or SGLang servers (rollout.backend=sglang); drop it")
-    if key.startswith(("load_in_", "bnb_")) or "quant" in key:
-        return "quantised training is not supported here; drop it"
-    return "no counterpart here; drop it (docs/pages/coming-from-trl.md lists what each TRL setting becomes)"
-
+            raise ConfigError("lr_scheduler_type='cosine_with_min_lr' needs lr_scheduler_kwargs with min_lr_rate or "
+                              "min_lr, as in transformers; give one (e.g. min_lr_rate: 0.1).")
+        t.put("optim.min_lr_ratio", ratio, f"lr_scheduler_kwargs.min_lr_rate={ratio:g}", "lr_scheduler_kwargs")
+    if kwargs.pop("num_cycles", 0.5) != 0.5:
+        raise ConfigError("lr_scheduler_kwargs.num_cycles: the cosine here is half a cycle (0.5); drop it.")
+    if kwargs:
+        raise ConfigError(f"lr_scheduler_kwargs: {sorted(kwargs)}: the schedules here take min_lr_rate (or min_lr) "
+                          "with cosine_with_min_lr only; drop the others.")
+    betas = [t.get("adam_beta1"), t.get("adam_beta2")]
+    t.put("optim.betas", betas, "adam_beta1, adam_beta2", "adam_beta1" if "adam_beta1" in t.trl else
+          "adam_beta2" if "adam_beta2" in t.trl else "")
+    warmup = t.trl.get("warmup_steps", 0)
+    if isinstance(warmup, float) and 0 < warmup < 1:  # TRL 1.16: a float below 1 is a ratio of the steps
+        t.put("optim.warmup_ratio", warmup, f"warmup_steps={warmup} (a ratio)", "warmup_steps")
+    elif warmup:
+        t.put("optim.warmup_steps", int(warmup), f"warmup_steps={warmup}", "warmup_steps")
+    if "warmup_ratio" in t.trl:
+        t.put("optim.warmup_ratio", t.trl["warmup_ratio"], f"warmup_ratio={t.trl['warmup_ratio']}", "warmup_ratio")
+    if t.trl.get("bf16") or t.trl.get("fp16"):
+        kind = "bf16" if t.trl.get("bf16") else "fp16"
+        t.put("trainer.mixed_precision", kind, kind, kind)
+    elif t.trl.get("bf16") is False:
+        t.put("trainer.mixed_precision", "no", "bf16=False", "bf16")

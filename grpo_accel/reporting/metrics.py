@@ -33,6 +33,9 @@ def rollout_scalars(accelerator, rollout: TensorDict, with_rewards: bool = True)
         rollout[batch.WEIGHT_VERSION].float(),
         (rollout.get(batch.WEIGHT_VERSION_LAST, rollout[batch.WEIGHT_VERSION]) - rollout[batch.WEIGHT_VERSION]).float(),
     ] + [rollout[key].float() for key in stats]
+    signal = batch.ADVANTAGES in rollout.keys()
+    if signal:  # completions that teach nothing: advantage exactly 0 (mostly groups whose completions scored alike)
+        columns.append((rollout[batch.ADVANTAGES] == 0).float())
     if batch.EPISODE in rollout.keys():
         columns += list(episode_columns(rollout).unbind(1))
     every = accelerator.gather(torch.stack(columns, dim=1).to(accelerator.device))  # [n * processes, k]: one gather
@@ -48,6 +51,8 @@ def rollout_scalars(accelerator, rollout: TensorDict, with_rewards: bool = True)
         out |= {f"train/{k}": v for k, v in episode_scalars(every[:, -len(EPISODE_COLUMNS):]).items()}
     for j, (_, name) in enumerate(stats, start=n + 4):  # the collector's seconds per phase go under time/
         out[f"time/{name[5:]}" if name.startswith("time_") else f"train/{name}"] = float(every[:, j].mean())
+    if signal:
+        out["train/zero_advantage_fraction"] = float(every[:, n + 4 + len(stats)].mean())
     if "reward_faults" in rollout.keys():  # counts over every process: completions that got a fallback
         names = sorted(rollout["reward_faults"].keys())
         local = torch.stack([rollout["reward_faults", k].float().sum() for k in names]).to(accelerator.device)

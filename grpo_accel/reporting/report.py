@@ -2,8 +2,9 @@
 
 Read from each run's event files (``RUN_DIR/tensorboard``); several runs share each panel, one line per run, named
 by their folders. Panels, where the runs logged them: the reward and each reward function's mean, the completion
-length, the KL estimate, the clip fraction, the entropy, and the seconds of each part of a step
-(``trainer.log_timings=true``). Written: ``report.png`` and ``report.md`` in ``--out`` (default: the first run's
+length, the KL estimate, the clip fraction, the entropy, the share of completions without signal (advantage 0),
+the learning rate, and the seconds of each part of a step (``trainer.log_timings=true``); a quantity that is off
+(0 at every batch: the KL estimate with ``kl_coef 0``) is not drawn, and the summary names it. Written: ``report.png`` and ``report.md`` in ``--out`` (default: the first run's
 folder). Needs matplotlib (``pip install 'grpo_accel[report]'``).
 """
 from __future__ import annotations
@@ -23,6 +24,8 @@ PANELS = (  # (title, tags: exact names, or a prefix and suffix around "*")
     ("KL estimate", ("train/kl_approx",)),
     ("clip fraction", ("train/clip_fraction",)),
     ("entropy (nats per token)", ("train/entropy",)),
+    ("completions without signal (advantage 0, share)", ("train/zero_advantage_fraction",)),
+    ("learning rate", ("train/lr",)),
     ("seconds per batch", ("time/generate", "time/score", "time/forward_backward", "time/optimizer",
                            "time/weight_sync")),
 )
@@ -38,13 +41,31 @@ def matches(tag: str, pattern: str) -> bool:
 
 
 def panel_series(scalars: dict[str, Series]) -> list[tuple[str, dict[str, Series]]]:
-    """The panels a run's scalars fill: [(title, {tag: series})], in PANELS' order, empty ones left out."""
+    """The panels a run's scalars fill: [(title, {tag: series})], in PANELS' order; empty ones and those that are
+    off in the run (:func:`is_off`) left out."""
     panels = []
     for title, patterns in PANELS:
         tags = [t for p in patterns for t in sorted(scalars) if matches(t, p)]
-        if tags:
-            panels.append((title, {t: scalars[t] for t in dict.fromkeys(tags)}))
+        series = {t: scalars[t] for t in dict.fromkeys(tags)}
+        if series and not is_off(series):
+            panels.append((title, series))
     return panels
+
+
+def is_off(series: dict[str, Series]) -> bool:
+    """A quantity the run never turned on: 0 at every logged batch (the KL estimate with kl_coef 0, the clip
+    fraction of one on-policy epoch, whose ratio is 1)."""
+    return all(value == 0 for points in series.values() for _, value in points)
+
+
+def off_panels(runs: dict[str, dict[str, Series]]) -> list[str]:
+    """The panels every run logged at 0 throughout: left out of the figure, named in the summary."""
+    out = []
+    for title, patterns in PANELS:
+        logged = [{t: s[t] for t in s if any(matches(t, p) for p in patterns)} for s in runs.values()]
+        if any(logged) and all(is_off(series) for series in logged):
+            out.append(title)
+    return out
 
 
 def read_runs(run_dirs: list[Path]) -> dict[str, dict[str, Series]]:
@@ -110,6 +131,8 @@ def summary_markdown(runs: dict[str, dict[str, Series]]) -> str:
         batches = max((p[-1][0] for p in scalars.values() if p), default=0)
         cells = [f"{scalars[t][0][1]:.3g} -> {scalars[t][-1][1]:.3g}" if scalars.get(t) else "" for t, _ in shown]
         lines.append(f"| {run} | {batches} | " + " | ".join(cells) + " |")
+    if off := off_panels(runs):
+        lines.append(f"\nOff in every run (0 at every logged batch, so not drawn): {', '.join(off)}.")
     return "\n".join(lines) + "\n"
 
 

@@ -29,6 +29,7 @@ class ReportSettings:
     """The trainer's logging arguments (torchrl's names)."""
 
     log_interval: int = 1  # frames between logs
+    log_first: bool = False  # log the first iteration too (TRL's logging_first_step)
     log_timings: bool = False
     auto_log_optim_steps: bool = True
     log_rewards: bool = True
@@ -114,7 +115,8 @@ class Reporter:
         ``log_hook(scalars)`` runs the users' log hooks, which may add scalars."""
         frames = counters["frames"]
         s = self.settings
-        if frames - self.last_log_frames < s.log_interval and not final:
+        first = s.log_first and not self.history
+        if frames - self.last_log_frames < s.log_interval and not final and not first:
             self.timings.clear()
             return
         self.last_log_frames = frames

@@ -177,6 +177,13 @@ class RewardSet:
         except RewardFault:
             raise
         except Exception as exc:
+            if _wants_messages(fn, arguments, exc):
+                raise RewardError(
+                    f"reward function {name!r} reads chat messages (TRL's conversational form: completion[0]"
+                    f"['content']) and got text ({type(exc).__name__}: {exc}; completion 0 is "
+                    f"{str(completions[0])[:60]!r}); give data.system_prompt (a text prompt then becomes a system "
+                    "and a user message) or chat rows, or mark a function written for text "
+                    "@grpo_accel.rewards.text_reward.") from exc
             row = None if name in awaited else _first_failing_row(fn, arguments)
             where = "" if row is None else (f" on completion {row} (prompt {prompts[row]!r}, completion "
                                             f"{completions[row]!r})")
@@ -202,6 +209,13 @@ class RewardSet:
                     "to a finite value such as 0.0."
                 )
         return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
+
+
+def _wants_messages(fn, arguments: dict, exc: Exception) -> bool:
+    """A function indexing text as TRL's message lists (``completion[0]["content"]`` on a string)."""
+    completions = arguments["completions"]
+    return (not reads_text(fn) and bool(completions) and isinstance(completions[0], str)
+            and isinstance(exc, (TypeError, IndexError, KeyError)) and "string ind" in str(exc))
 
 
 def _form_hint(fn, arguments: dict, exc: Exception) -> str:

@@ -115,6 +115,14 @@ class RunCheckpointer:
         return state
 
 
+def hugging_face_assets(config, tokenizer) -> list:
+    """Of a policy's ``config`` and the ``tokenizer``, those that are transformers' (a model config, a tokenizer):
+    what a checkpoint folder saves beside the weights for export."""
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+    return [a for a, kind in ((config, PretrainedConfig), (tokenizer, PreTrainedTokenizerBase)) if isinstance(a, kind)]
+
+
 class TrainerFiles:
     """Where a trainer's state goes: checkpoint folders (:class:`RunCheckpointer`) and the single-file payload
     (``save_trainer_file``). Saving and loading folders is collective."""
@@ -128,7 +136,7 @@ class TrainerFiles:
     def save(self, step: int, rank_state: dict, info: dict, module, policy=None, tokenizer=None) -> Path | None:
         """The checkpoint folder (returned; with the policy's config and the tokenizer, what export needs besides
         weights, when they exist) and the payload file (``module``'s weights), each when configured."""
-        hf_assets = [a for a in (getattr(policy, "config", None), tokenizer) if hasattr(a, "save_pretrained")]
+        hf_assets = hugging_face_assets(getattr(policy, "config", None), tokenizer)
         final = self.checkpointer.save(step, rank_state, info, hf_assets) if self.checkpointer else None
         if self.file is not None:
             weights = self.accelerator.get_state_dict(module)  # collective under ZeRO-3; full on rank 0

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 
 import torch
+from torch.optim.lr_scheduler import LambdaLR
 
 from grpo_accel.contracts import OptimizationStepper
 from grpo_accel.distributed import uses_deepspeed
@@ -73,6 +76,36 @@ class MixedPrecisionOptimizationStepper(OptimizationStepper):
             self.scaler.load_state_dict(state["scaler"])
 
 
+SCHEDULES = ("constant", "linear", "cosine")
+
+
+def lr_factor(step: int, warmup: int, total: int, kind: str, min_ratio: float = 0.0) -> float:
+    """The share of the peak rate at optimizer step ``step`` of ``total``: a linear rise over ``warmup`` steps,
+    then constant, linear down to 0 at ``total``, or half a cosine down to ``min_ratio`` (transformers' formulas:
+    ``get_linear_schedule_with_warmup``, ``get_cosine_with_min_lr_schedule_with_warmup``)."""
+    if step < warmup:
+        return step / max(1, warmup)
+    if kind == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, total - warmup)
+    if kind == "linear":
+        return max(0.0, 1.0 - progress)
+    return max(0.0, min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+class Schedule(LambdaLR):
+    """The run's learning-rate schedule: :func:`lr_factor` of the peak each parameter group was built with, one
+    torch step per optimizer step; its kind and length are known to whoever holds it."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, kind: str, warmup: int, total: int,
+                 min_ratio: float = 0.0) -> None:
+        if kind not in SCHEDULES:
+            raise ValueError(f"Schedule kind={kind!r}: must be one of {list(SCHEDULES)}.")
+        self.kind, self.warmup, self.total, self.min_ratio = kind, warmup, total, min_ratio
+        super().__init__(optimizer, functools.partial(lr_factor, warmup=warmup, total=total, kind=kind,
+                                                      min_ratio=min_ratio))
+
+
 class LearningRate:
     """The rate of each optimizer step, from the optimizer's own rate or ``scheduler`` (a torch LR scheduler over it,
     stepped once per optimizer step, never prepared: Accelerate's wrapper would step it once per process and
@@ -99,7 +132,7 @@ class LearningRate:
         rate the schedule's at its step; returns the (checkpoint's, this run's) peaks that differ."""
         groups = self.optimizer.param_groups
         saved = _peaks(groups)
-        if self.scheduler is not None and hasattr(self.scheduler, "lr_lambdas"):  # LambdaLR: transformers' schedules
+        if isinstance(self.scheduler, LambdaLR):  # ours (Schedule), or transformers': a factor of the peak
             self.scheduler.base_lrs = list(self.given)
             rates = [base * f(self.scheduler.last_epoch) for base, f in zip(self.given, self.scheduler.lr_lambdas)]
             self.scheduler._last_lr = rates  # what get_last_lr() reports

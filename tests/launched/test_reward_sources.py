@@ -72,7 +72,7 @@ def test_a_run_with_a_reward_that_sleeps_past_its_limit_goes_on(tmp_path):
     train_in_process([f"output_dir={out}", "rollout.prompts_per_batch=4", "rollout.group_size=4",
                       "trainer.total_frames=32", "trainer.progress_bar=false",
                       "rewards=[{name: 'reward_helpers:slow_on_seven', processes: 2, timeout_s: 0.5, fallback: 0.0}]"])
-    timeouts = [v for _, v in read_scalars(out / "tensorboard")["train/reward/reward_helpers:slow_on_seven_timeouts"]]
+    timeouts = [v for _, v in read_scalars(out / "tensorboard")["train/reward/slow_on_seven_timeouts"]]
     assert len(timeouts) == 2 and sum(timeouts) > 0
     assert not reward_workers()
 

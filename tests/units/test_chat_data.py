@@ -46,11 +46,11 @@ def test_chat_rows_go_through_the_template_with_the_system_prompt_and_reach_rewa
         seen.update(prompts=prompts, prompt_messages=prompt_messages, answer=answer)
         return [0.0] * len(completions)
 
-    rows = CHAT_ROWS[:3] + [{"prompt": "3+3=", "answer": "6"}]  # a plain string row is used as is
+    rows = CHAT_ROWS[:3] + [{"prompt": "3+3=", "answer": "6"}]  # a string row: with a system prompt, a user message
     engine = EmbeddedEngine(build_tiny_model(chat_tokenizer, seed=0), chat_tokenizer, max_new_tokens=2)
     collector = GRPOCollector(engine, chat_tokenizer, rows, RewardSet({"spy": spy}), layout=BatchLayout(4, 2), system_prompt="be brief.")
     assert collector.prompts.texts[0] == "<system>be brief.\n<user>0+0=\n<assistant>"
-    assert collector.prompts.texts[3] == "3+3="
+    assert collector.prompts.texts[3] == "<system>be brief.\n<user>3+3=\n<assistant>"
     assert collector.prompts.ids[0] == chat_tokenizer("<system>be brief.\n<user>0+0=\n<assistant>",
                                                       add_special_tokens=False)["input_ids"]
     td = collector.collect()
@@ -58,7 +58,8 @@ def test_chat_rows_go_through_the_template_with_the_system_prompt_and_reach_rewa
         prompt = td[batch.PROMPT_IDS][i][td[batch.PROMPT_MASK][i].bool()].tolist()
         order = collector.prompts.ids.index(prompt)  # the row generated from
         assert seen["prompts"][i] == collector.prompts.texts[order] and seen["answer"][i] == rows[order]["answer"]
-        expected = None if order == 3 else [{"role": "system", "content": "be brief."}, *rows[order]["prompt"]]
+        asked = [{"role": "user", "content": "3+3="}] if order == 3 else rows[order]["prompt"]
+        expected = [{"role": "system", "content": "be brief."}, *asked]
         assert seen["prompt_messages"][i] == seen["prompt_messages"][i + 1] == expected
     assert set(td["stats"].keys()) == {"time_generate", "time_score"} and float(td["stats", "time_generate"][0]) > 0
 

@@ -128,6 +128,9 @@ def test_the_trainer_and_the_launcher_call_declared_contracts_without_probing_th
              "grpo_accel/contracts.py", "grpo_accel/cli/train.py"]
     assert {name: probes((ROOT / name).read_text()) for name in names} == {name: [] for name in names}
     assert len(probes("hasattr(x, 'a')\ngetattr(x, 'b', None)\ngetattr(x, 'c')")) == 2, "the check finds them"
+    trainer = {str(p.relative_to(ROOT)): [line for line in probes(p.read_text()) if "hasattr(" in line]
+               for p in sorted((ROOT / "grpo_accel" / "trainer").glob("*.py"))}
+    assert len(trainer) > 5 and trainer == {name: [] for name in trainer}  # issue 65: no hasattr in trainer/
 
 
 def test_every_python_file_is_at_most_400_lines():

@@ -18,7 +18,7 @@ from grpo_accel.loss import (
     kl_k3,
     sequence_log_ratio,
     token_log_ratio,
-    truncated_is_weights,
+    engine_is_weights,
 )
 from grpo_accel.embedded.engine import EmbeddedEngine
 from grpo_accel.trainer.normalizer import distributed_normalizer
@@ -95,10 +95,20 @@ def test_sequence_ratio_is_length_normalised_and_keeps_token_gradients():
     torch.testing.assert_close(ratio, torch.tensor([[math.exp(0.5), math.exp(-1.0), 1.0]]))
 
 
-def test_truncated_is_weights_and_ess():
-    old, engine = torch.tensor([[0.0, 0.0]]), torch.tensor([[math.log(4.0), -math.log(4.0)]])
-    # pi_old / pi_engine = [1/4, 4] -> capped at 2: [0.25, 2]
-    torch.testing.assert_close(truncated_is_weights(old, engine, cap=2.0), torch.tensor([[0.25, 2.0]]))
+def test_engine_is_weights_in_every_mode_and_ess():
+    old, engine = torch.tensor([[0.0, 0.0, 0.0]]), torch.tensor([[math.log(4.0), -math.log(4.0), 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])  # the third token is padding: its ratio counts nowhere
+    # pi_old / pi_engine per token = [1/4, 4]; per completion = 1/4 x 4 = 1
+    weights = lambda mode, **kw: engine_is_weights(old, engine, mask, mode, **kw)[:, :2]  # noqa: E731
+    torch.testing.assert_close(weights("token_truncate", cap=2.0), torch.tensor([[0.25, 2.0]]))
+    torch.testing.assert_close(weights("token_truncate", cap=2.0, floor=0.5), torch.tensor([[0.5, 2.0]]))
+    torch.testing.assert_close(weights("token_mask", cap=2.0), torch.tensor([[0.25, 0.0]]))
+    torch.testing.assert_close(weights("token_mask", cap=5.0, floor=0.5), torch.tensor([[0.0, 4.0]]))
+    torch.testing.assert_close(weights("sequence_truncate", cap=0.5), torch.tensor([[0.5, 0.5]]))
+    torch.testing.assert_close(weights("sequence_mask", cap=3.0), torch.tensor([[1.0, 1.0]]))
+    torch.testing.assert_close(weights("sequence_mask", cap=0.5), torch.tensor([[0.0, 0.0]]))
+    with pytest.raises(ValueError, match="tis_mode='sentence'"):
+        engine_is_weights(old, engine, mask, "sentence", cap=2.0)
     mask = torch.ones(1, 2)
     assert effective_sample_size(torch.zeros(1, 2), mask) == pytest.approx(1.0)
     # w = [1, 3]: (1+3)^2 / (2 * (1+9)) = 0.8

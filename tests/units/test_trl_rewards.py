@@ -123,12 +123,12 @@ def test_trls_own_reward_functions_train_a_chat_run_unchanged(tmp_path, chat_mod
     ]) == 0
     scalars = read_scalars(out / "tensorboard")
     for name in names:
-        assert len(scalars[f"train/reward/my_rewards:{name}_mean"]) == 3, name
-    assert all(not math.isnan(v) for _, v in scalars["train/reward/my_rewards:half_judged_mean"])  # None: left out
+        assert len(scalars[f"train/reward/{name}_mean"]) == 3, name
+    assert all(not math.isnan(v) for _, v in scalars["train/reward/half_judged_mean"])  # None: left out
     assert [v for _, v in scalars["train/seen_global_step"]] == [0.0, 1.0, 2.0]  # trainer_state: steps before it
     judged = [v for _, v in scalars["train/judged_fraction"]]  # 3 of the 8 rows have an odd solution
     assert len(judged) == 3 and all(0 <= v <= 1 for v in judged) and sum(judged) < 3
-    assert all(-1.0 <= v <= 0.0 for _, v in scalars["train/reward/my_rewards:overlong_mean"])
+    assert all(-1.0 <= v <= 0.0 for _, v in scalars["train/reward/overlong_mean"])
 
 
 def test_a_reward_name_that_is_not_there_is_still_one_line(tmp_path, monkeypatch):

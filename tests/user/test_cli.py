@@ -94,14 +94,19 @@ def test_report_draws_the_event_files_points(tmp_path):
 
     figure = report([out, out], tmp_path / "both")  # a run named twice: two lines per quantity
     axes = {ax.get_title(): ax for ax in figure.axes}
-    assert list(axes) == ["reward (mean)", "completion length (tokens, mean)", "KL estimate", "clip fraction",
-                          "entropy (nats per token)", "seconds per batch"]
+    # the default run has kl_coef 0 and one on-policy epoch: its KL estimate and clip fraction are 0 throughout,
+    # so not drawn (issue 65); what is on takes their place
+    assert list(axes) == ["reward (mean)", "completion length (tokens, mean)", "entropy (nats per token)",
+                          "completions without signal (advantage 0, share)", "learning rate", "seconds per batch"]
+    assert "Off in every run (0 at every logged batch, so not drawn): KL estimate, clip fraction." in (
+        out / "report.md").read_text()
+    assert all(0 <= v <= 1 for _, v in read_scalars(out / "tensorboard")["train/zero_advantage_fraction"])
     scalars = read_scalars(out / "tensorboard")
     lines = {line.get_label(): line.get_xydata().tolist() for line in axes["reward (mean)"].lines}
     assert lines["run: reward_mean"] == [[s, v] for s, v in scalars["train/reward_mean"]]
     assert lines["run: reward/answer_match_mean"] == [[s, v] for s, v in scalars["train/reward/answer_match_mean"]]
     assert len(lines) == 2 * 3, "both runs: the reward and its two functions' means"
     timing = {line.get_label() for line in axes["seconds per batch"].lines}
-    assert "run: forward_backward" in timing and len(axes["KL estimate"].lines) == 2
+    assert "run: forward_backward" in timing and len(axes["learning rate"].lines) == 2
     with pytest.raises(SystemExit):
         main(["report", str(tmp_path / "nothing")])

@@ -48,3 +48,17 @@ def test_the_readmes_links_into_the_repository_reach_a_file_and_heading():
         if anchor:
             headings = re.findall(r"^#+ (.+)$", target.read_text(), re.M)
             assert anchor in {slugify(h.replace("`", ""), "-") for h in headings}, f"{path} has no heading #{anchor}"
+
+
+def test_every_code_line_of_the_docs_fits_the_page():
+    """Issue 65: a code block wider than the page scrolls sideways at 1280 px and hides its right half (the TRL
+    translation block hid TRL's arithmetic). Every line of a fenced block in docs/pages is at most 100 characters."""
+    wide = []
+    for page in sorted((ROOT / "docs" / "pages").rglob("*.md")):
+        inside = False
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                inside = not inside
+            elif inside and len(line) > 100:
+                wide.append(f"{page.name}:{number} ({len(line)})")
+    assert wide == []

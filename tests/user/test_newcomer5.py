@@ -66,7 +66,7 @@ def test_a_failed_or_stopped_run_ends_so_in_the_trackers(tmp_path):
     (tmp_path / "failed").mkdir()
     proc = run_in_group([*common, f"output_dir={tmp_path / 'failed' / 'run'}", "rewards=[{name: 'bad_reward:bad'}]"],
                         cwd=tmp_path, env={**env, "PYTHONPATH": str(tmp_path)}, timeout=300)
-    assert proc.returncode == 2 and "reward function 'bad_reward:bad' raised RuntimeError" in proc.stderr
+    assert proc.returncode == 2 and "reward function 'bad' raised RuntimeError" in proc.stderr
     assert tracked_ends(tmp_path / "failed") == ([1], ["FAILED"])
     root = tmp_path / "stopped"
     root.mkdir()

@@ -106,7 +106,7 @@ def test_the_readmes_reward_module_trains_as_shown(tmp_path, model_dir):
     assert proc.returncode == 0, proc.stderr[-4000:]
     from grpo_accel.reporting.event_files import read_scalars
 
-    rewards = read_scalars(tmp_path / "run" / "tensorboard")["train/reward/my_reward:right_and_brief_mean"]
+    rewards = read_scalars(tmp_path / "run" / "tensorboard")["train/reward/right_and_brief_mean"]
     assert len(rewards) == 2 and all(-1 <= v <= 1 for _, v in rewards)
 
 

@@ -55,11 +55,12 @@ def test_num_train_epochs_counts_the_rows_of_the_file_the_config_names(tmp_path,
                             for a in range(3) for b in range(3)))
     path = tmp_path / "trl.yaml"
     path.write_text(yaml.safe_dump({"dataset_name": str(data), "num_train_epochs": 2, "num_generations": 4,
+                                    "reward_funcs": ["accuracy_reward"],
                                     "per_device_train_batch_size": 8, "gradient_accumulation_steps": 2}))
     with caplog.at_level(logging.INFO):
         cfg = load_config(path)
     assert cfg.data.path == str(data) and cfg.trainer.total_frames == 5 * 16
-    said = next(r.getMessage() for r in caplog.records if "is a TRL config" in r.getMessage())
+    said = next(r.getMessage() for r in caplog.records if "holds TRL's settings" in r.getMessage())
     assert "num_train_epochs=2 x 9 rows x num_generations=4 -> trainer.total_frames=80" in said
     path.write_text(yaml.safe_dump({"num_train_epochs": 2}))  # no dataset to count: one line saying so
     with pytest.raises(ConfigError, match="num_train_epochs: a TRL config needs dataset_name"):
@@ -77,22 +78,22 @@ def test_a_trl_config_that_trl_would_refuse_is_refused_as_trl_would(tmp_path):
 def test_a_file_of_grpo_accels_own_keys_is_never_read_as_trls():
     from grpo_accel.recipe.trl_config import is_trl_config
 
-    assert not is_trl_config({"output_dir": "runs/x"}) and not is_trl_config({"optim": {"lr": 1e-6}, "seed": 1})
+    assert not is_trl_config({"output_dir": "runs/x"}) and not is_trl_config({"optim": {"lr": 1e-6}, "output_dir": 1})
     assert is_trl_config({"output_dir": "runs/x", "learning_rate": 1e-6})
+    assert is_trl_config({"optim": "adamw_torch"})  # TRL's optim is a string; grpo_accel's a section
 
 
 def test_what_has_no_counterpart_is_refused_one_line_each(tmp_path):
     path = tmp_path / "trl.yaml"
-    path.write_text(yaml.safe_dump({"model_name_or_path": "Qwen/Qwen2.5-0.5B-Instruct", "use_vllm": True,
-                                    "vllm_mode": "server", "load_in_4bit": True, "learning_rate": 1e-6}))
+    path.write_text(yaml.safe_dump({"model_name_or_path": "Qwen/Qwen2.5-0.5B-Instruct", "sync_ref_model": True,
+                                    "load_in_4bit": True, "learning_rate": 1e-6, "min_p": 0.1}))
     with pytest.raises(ConfigError) as err:
         load_config(path)
     head, *lines = str(err.value).splitlines()  # in the file's order (safe_dump sorted it)
-    assert head == "a TRL config with settings that have no counterpart here:" and len(lines) == 3
-    assert lines[0] == "  load_in_4bit=True: quantised training is not supported here; drop it"
-    assert lines[1].startswith("  use_vllm=True: vLLM is not an engine here: rollouts come from the trainer's own "
-                               "process (rollout.backend=embedded) or SGLang servers")
-    assert lines[2].startswith("  vllm_mode='server': vLLM is not an engine here")
+    assert head == "a TRL config with settings that cannot be honoured here:" and len(lines) == 3
+    assert lines[0] == ("  load_in_4bit=True: quantised training is not supported here; drop it")
+    assert lines[1].startswith("  min_p=0.1: min-p sampling is not available here")
+    assert lines[2] == "  sync_ref_model=True: the KL reference stays the initial model; drop it"
 
 
 TRL_YAML = """\
@@ -135,7 +136,7 @@ def test_a_trl_grpo_file_trains_with_trls_layout(tmp_path, monkeypatch, model_di
     config.write_text(TRL_YAML.format(model=model_dir, data=data, out=out))
     with caplog.at_level(logging.INFO):
         assert main_in_process("train", ["--config", str(config), "trainer.progress_bar=false"]) == 0
-    said = next(r.getMessage() for r in caplog.records if "is a TRL config" in r.getMessage())
+    said = next(r.getMessage() for r in caplog.records if "holds TRL's settings" in r.getMessage())
     assert "max_steps=4 optimizer steps (1 per generation of 16 completions) -> trainer.total_frames=64" in said
     assert ("reward_funcs, reward_weights -> rewards=[{'name': 'overlong_penalty', 'kwargs': {'max_tokens': 1280, "
             "'cache_tokens': 256}, 'weight': 0.5}, {'name': 'yaml_rewards:reward_len', 'weight': 1.0}]") in said

@@ -60,7 +60,7 @@ def test_a_reward_error_is_one_line_and_exit_2_also_when_collected_in_the_backgr
                          "trainer.progress_bar=false"], cwd=tmp_path, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.splitlines()[-1]
-    assert last.startswith("error: reward function 'myrewards:boom' raised ZeroDivisionError: division by zero on "
+    assert last.startswith("error: reward function 'boom' raised ZeroDivisionError: division by zero on "
                            "completion 0 (prompt '"), last
 
 
