@@ -259,7 +259,7 @@ def warn_unusual_settings(cfg: GRPOConfig, model) -> None:
 
 def _register_hooks(trainer, cfg: GRPOConfig, engine, sender, tokenizer, held_out, rewards) -> None:
     """What the config adds at the trainer's hook stages: the reward functions' ``trainer_state``, colocated
-    servers' memory, held-out evaluation."""
+    servers' memory, held-out evaluation, the pushes to the Hub."""
     state = rewards.trainer_state
 
     def progress(t) -> None:  # what a reward function scoring the next batch sees (TRL's trainer_state)
@@ -277,7 +277,13 @@ def _register_hooks(trainer, cfg: GRPOConfig, engine, sender, tokenizer, held_ou
                               success_threshold=cfg.eval.success_threshold, episodes=trainer.collector.episodes)
         trainer.register_op("pre_train", evaluator.before_training, "evaluate_untrained")
         trainer.register_op("post_iteration", evaluator, "evaluate")
+    if cfg.hub.push and trainer.accelerator.is_main_process:  # the Hub gets the exported model, after each checkpoint
+        from grpo_accel.recipe.export import export_checkpoint
+        from grpo_accel.recipe.hub import HubPusher
 
+        pusher = HubPusher(cfg.hub, cfg.output_dir, export_checkpoint)
+        trainer.register_op("post_checkpoint", lambda _, path: pusher.after_checkpoint(path), "push_to_hub")
+        trainer.register_op("post_train", lambda _: pusher.close(), "push_to_hub_end")
 
 def close_parts(trainer, outcome: str = "finished") -> None:
     """Release what a built trainer's parts hold: SGLang's weight-update group, decode and reward workers, and

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from grpo_accel.data import OVERLONG
 from grpo_accel.recipe.checks import check_choice, check_key, check_rules
 from grpo_accel.recipe.defaults import fill_model_defaults
+from grpo_accel.recipe.hub import HubConfig
 from grpo_accel.recipe.rollout_schema import RewardConfig, RolloutConfig, WeightSyncConfig
 from grpo_accel.recipe.secrets import expand_secrets
 from grpo_accel.rules import TRAINING_DTYPES
@@ -172,8 +173,7 @@ class LossConfig:
     tis_cap: float | None = None
     """Importance sampling against the engine's logprobs: weight pi_old/pi_engine, kept at most this; None = off."""
     tis_mode: str = "token_truncate"
-    """token_truncate (each token's ratio, at most tis_cap), token_mask (0 outside [tis_min, tis_cap]), or
-    sequence_truncate / sequence_mask (each completion's ratio); TRL's vLLM default: sequence_mask, cap 3."""
+    """token_truncate, token_mask (0 outside [tis_min, tis_cap]), sequence_truncate or sequence_mask."""
     tis_min: float | None = None
     """The lower bound of that range (None: none)."""
     kl_importance_weighted: bool = False
@@ -225,7 +225,7 @@ class OptimConfig:
     """Learning rate after warmup, over the run's optimizer steps: constant, linear (down to 0 at the last step) or
     cosine (half a cosine down to optim.min_lr_ratio x optim.lr at the last step)."""
     min_lr_ratio: float = 0.0
-    """cosine's floor as a share of optim.lr (TRL's cosine_with_min_lr with min_lr_rate)."""
+    """cosine's floor as a share of optim.lr (TRL's cosine_with_min_lr's min_lr_rate)."""
     warmup_steps: int = 0
     """Optimizer steps over which the learning rate rises linearly from 0 to optim.lr (0: none)."""
     warmup_ratio: float = 0.0
@@ -374,14 +374,14 @@ class GRPOConfig:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     loss: LossConfig = field(default_factory=LossConfig)
-    rewards: list[RewardConfig] = field(
-        default_factory=lambda: [RewardConfig("answer_match", 1.0), RewardConfig("format_match", 0.2)]
-    )
+    rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig("answer_match", 1.0),
+                                                                 RewardConfig("format_match", 0.2)])
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: GRPOTrainerConfig = field(default_factory=GRPOTrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    hub: HubConfig = field(default_factory=HubConfig)
 
     def __post_init__(self) -> None:
         # null settings that follow the model and the hardware (grpo_accel.recipe.defaults); what they took is said

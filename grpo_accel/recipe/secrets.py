@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 from grpo_accel.recipe.checks import ConfigError
 
-SECRET_SETTINGS = ("rollout.api_key", "weight_sync.admin_api_key", "rewards[].api_key")
+SECRET_SETTINGS = ("rollout.api_key", "weight_sync.admin_api_key", "rewards[].api_key", "hub.token")
 """Settings that hold a secret, a reward entry's fields as ``rewards[].field``."""
 FREE_FORM = ("trainer.tracker_kwargs", "rewards[].kwargs")
 """Mappings whose entries the user names: a secret there is recognised by its name."""

@@ -170,6 +170,14 @@ TRANSLATED: dict[str, Translated] = {
     "save_steps": Translated("checkpoint.interval_frames", STEPS),
     "save_total_limit": Translated("checkpoint.keep_last"),
     "resume_from_checkpoint": Translated("checkpoint.resume", "true: auto; or a checkpoint folder"),
+    "push_to_hub": Translated("hub.push", "the exported model, after each checkpoint, in the background"),
+    "hub_model_id": Translated("hub.model_id", "TRL's default: output_dir's folder name"),
+    "hub_strategy": Translated("hub.strategy", "end, every_save, checkpoint or all_checkpoints"),
+    "hub_private_repo": Translated("hub.private"),
+    "hub_token": Translated("hub.token", "a secret: ${NAME} reads the environment"),
+    "hub_revision": Translated("hub.revision"),
+    "hub_model_revision": Translated("hub.revision", "open-r1's"),
+    "hub_always_push": Translated("hub.always_push"),
 }
 
 NO_EFFECT: dict[str, Inert] = {
@@ -258,13 +266,6 @@ NO_EFFECT: dict[str, Inert] = {
     "full_determinism": Inert("a run is reproducible from trainer.seed"),
     "overwrite_output_dir": Inert("a folder holding an earlier run is refused: checkpoint.resume=auto continues "
                                   "it, overwrite=true replaces it"),
-    "hub_model_id": Inert("used by push_to_hub"),
-    "hub_strategy": Inert("used by push_to_hub"),
-    "hub_private_repo": Inert("used by push_to_hub"),
-    "hub_token": Inert("used by push_to_hub"),
-    "hub_revision": Inert("used by push_to_hub"),
-    "hub_model_revision": Inert("used by push_to_hub (open-r1's)"),
-    "hub_always_push": Inert("used by push_to_hub"),
     "push_to_hub_revision": Inert("used by push_to_hub (open-r1's callback)"),
     "overwrite_hub_revision": Inert("open-r1's callback"),
     "benchmarks": Inert("open-r1's benchmarks run after training, outside the trainer"),
@@ -352,8 +353,6 @@ REFUSED: dict[str, Refused] = {
     "use_dora": Refused("DoRA is not available here", (False,)),
     "load_in_8bit": Refused("quantised training is not supported here", (False,)),
     "load_in_4bit": Refused("quantised training is not supported here", (False,)),
-    "push_to_hub": Refused("uploading to the Hub is not done by the trainer here: after the run, grpo-accel export "
-                           "writes the model folder, and `hf upload REPO FOLDER` uploads it", (False,)),
     "datasets": Refused("dataset mixtures are not read here: give dataset_name (one file, folder or hub id)",
                         ([], None)),
     "dataset_mixture": Refused("dataset mixtures are not read here: give dataset_name", (None,)),

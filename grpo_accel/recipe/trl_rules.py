@@ -84,11 +84,13 @@ class Translation:
         return self.trl.get(name, TRL_DEFAULTS.get(name))
 
     def put(self, key: str, value: Any, line: str, source: str = "") -> None:
-        from grpo_accel.recipe.secrets import is_secret, REDACTED
+        from grpo_accel.recipe.secrets import REDACTED, is_secret
 
         self.settings[key] = value
         self.sources[key] = source
-        self.lines.append(f"{line} -> {key}={REDACTED if is_secret(key) else value}")
+        if is_secret(key) and value:  # a token's value in neither side of its line
+            line, value = line.replace(str(value), REDACTED), REDACTED
+        self.lines.append(f"{line} -> {key}={value}")
 
     def rows(self) -> int:
         """The training data's rows (for epochs), counted once."""

@@ -13,6 +13,8 @@ checkpointing) are not hooks: ``GRPOTrainer._iteration`` calls them in order, an
 | post_optim       | after the optimisation of a batch (sync: weights pushed)      | -                | read the new weights                  |
 | log              | the batch's scalars are ready, before writing                 | rollout, scalars | add or change scalars                 |
 | post_iteration   | end of an iteration, after logging and a checkpoint when due  | -                | evaluate, request_stop                |
+| post_checkpoint  | a checkpoint folder was written (every process)                | path             | copy or upload it (not change it)     |
+| post_train       | training ended (after its last checkpoint), not after an error | -                | finish what hooks started             |
 
 A hook that raises stops training with a :class:`HookError` naming the hook and the stage.
 """
@@ -22,7 +24,8 @@ import time
 from collections import defaultdict
 from typing import Any, Callable
 
-STAGES = ("pre_train", "post_collect", "pre_optim", "post_optim_step", "post_optim", "log", "post_iteration")
+STAGES = ("pre_train", "post_collect", "pre_optim", "post_optim_step", "post_optim", "log", "post_iteration",
+          "post_checkpoint", "post_train")
 
 
 class HookError(RuntimeError):

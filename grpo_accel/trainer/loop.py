@@ -158,6 +158,7 @@ class GRPOTrainer:
                     logger.warning("training stopped early after %d frames: %s", self.frames, self.stop_reason)
                 if self._saved_at != self.iterations and self.iterations > 0:
                     self.save_checkpoint(self.stop_reason or "end of training")
+            self.hooks.run("post_train", self)
         finally:
             if source is not self.collector:
                 source.close()
@@ -212,6 +213,8 @@ class GRPOTrainer:
                                      self.unwrapped_loss.policy, self.collector.tokenizer)
         self._saved_at = self.iterations
         self.reporter.flush()  # the curves up to a checkpoint are on disk with it (a resume purges after it)
+        if final is not None:
+            self.hooks.run("post_checkpoint", self, final)
         return final
 
     # ----------------------------------------------------------------------------------------- the loop

@@ -93,11 +93,11 @@ def test_a_refused_field_is_one_line_with_its_reason_and_its_off_value_is_no_eff
     assert len(lines) == 4 and lines[1].startswith("  load_in_4bit=True: quantised training is not supported here")
     assert lines[2].startswith("  fsdp='full_shard': FSDP is not an engine here")
     with caplog.at_level(logging.INFO):
-        load_config(write(tmp_path, {**BASE, "load_in_4bit": False, "use_liger_kernel": True, "push_to_hub": False}))
+        load_config(write(tmp_path, {**BASE, "load_in_4bit": False, "use_liger_kernel": True, "sync_ref_model": False}))
     said = next(r.getMessage() for r in caplog.records if "holds TRL's settings" in r.getMessage())
     inert = said.splitlines()[-1]
     assert inert.startswith("  no effect here: ") and "use_liger_kernel" in inert
-    assert "load_in_4bit (False asks for nothing)" in inert and "push_to_hub (False asks for nothing)" in inert
+    assert "load_in_4bit (False asks for nothing)" in inert and "sync_ref_model (False asks for nothing)" in inert
 
 
 def test_fields_with_real_behaviour_here(tmp_path):
@@ -209,28 +209,38 @@ def test_a_chat_reward_on_text_prompts_is_one_line_naming_the_fix(tmp_path, smol
     assert "give data.system_prompt" in message and "@grpo_accel.rewards.text_reward" in message
 
 
-MACHINE_FORCED = {"use_vllm": False, "attn_implementation": "sdpa", "push_to_hub": False, "bf16": False,
+MACHINE_FORCED = {"use_vllm": False, "attn_implementation": "sdpa", "bf16": False,
                   "max_steps": 2, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1,
                   "num_generations": 2, "max_completion_length": 8, "max_prompt_length": 256}
-"""What this machine forces on a published recipe: no vLLM (nor its GPUs), SDPA for flash-attention 2, no Hub
-to upload to, float32 on CPU cores, and a run of 2 optimizer steps that fits them."""
+"""What this machine forces on a published recipe: no vLLM (nor its GPUs), SDPA for flash-attention 2, float32
+on CPU cores, and a run of 2 optimizer steps that fits them. Its push_to_hub goes to the Hub stand-in."""
 
 
 @pytest.mark.parametrize("recipe", ["open-r1_qwen2.5-1.5b_grpo.yaml", "open-r1_r1-distill-qwen-1.5b_grpo.yaml"])
 def test_a_published_recipe_trains_with_only_the_edits_this_machine_forces(tmp_path, smollm2, recipe, monkeypatch,
                                                                            caplog):
     from grpo_accel.reporting.event_files import read_scalars
+    from hub_standin import USER, HubStandIn
     from tracker_stores import tracker_env
 
     for key, value in tracker_env(tmp_path).items():
         monkeypatch.setenv(key, value)  # W&B offline, its files under tmp_path
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_TOKEN", "hf_standin")  # the token TRL users export
+    import huggingface_hub.constants
+
+    # HF_HUB_DISABLE_XET=1, as read at import: the stand-in speaks LFS, not Xet's storage
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
     published = yaml.safe_load((RECIPES / recipe).read_text())
     settings = {**published, **MACHINE_FORCED, "model_name_or_path": str(smollm2),
                 "dataset_name": str(rows_file(tmp_path)), "output_dir": str(tmp_path / "run"),
                 "report_to": ["wandb", "tensorboard"]}  # tensorboard beside the recipe's wandb: read back here
     config = write(tmp_path, settings)
-    with caplog.at_level(logging.INFO):
-        assert train_in_process(["--config", str(config), "trainer.progress_bar=false"]) == 0
+    with HubStandIn("hf_standin") as hub, caplog.at_level(logging.INFO):
+        assert train_in_process(["--config", str(config), "trainer.progress_bar=false",
+                                 f"hub.endpoint={hub.url}"]) == 0
+    pushed = hub.repos[f"{USER}/{published['hub_model_id']}"]  # hub_strategy every_save: the one checkpoint
+    assert pushed["commits"] == ["grpo_accel: step_00000002"] and "model.safetensors" in pushed["files"]
     said = next(r.getMessage() for r in caplog.records if "holds TRL's settings" in r.getMessage())
     assert "system_prompt=" in said and "dataset_prompt_column='problem' -> data.prompt_field=problem" in said
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
