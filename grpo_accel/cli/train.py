@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     from grpo_accel.shipped import find
 
     cfg = load_config(args.config and find("recipe", args.config), args.overrides)
-    logging.getLogger("grpo_accel").setLevel(cfg.trainer.log_level.upper())
+    if cfg.trainer.log_level != "info":  # info: the console's own level (quiet_console)
+        logging.getLogger("grpo_accel").setLevel(cfg.trainer.log_level.upper())
     sys.argv[1:] = [redact_text(arg) for arg in sys.argv[1:]]  # trackers record the command line (W&B's args)
     configure_threads()
     keep_freed_memory()

@@ -279,8 +279,8 @@ class GRPOTrainerConfig:
     """Seeds torch, the data order and every sampling key: the same seed draws the same run."""
     log_interval: int = 1
     """Frames between logs (1: every collected batch)."""
-    log_first: bool = False
-    """Log the first collected batch too, whatever log_interval says (TRL's logging_first_step)."""
+    log_first: bool = True
+    """Log the first collected batch whatever log_interval says (TRL's logging_first_step; TRL's default: false)."""
     log_level: str = "info"
     """The main process's console: debug, info, warning or error (grpo_accel's own lines)."""
     progress_bar: bool = True

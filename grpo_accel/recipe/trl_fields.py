@@ -193,6 +193,8 @@ NO_EFFECT: dict[str, Inert] = {
     "save_on_each_node": Inert("every process writes its own part of a checkpoint to output_dir"),
     "num_processes": Inert("TRL's CLI launch key: the launch's --num_processes decides here"),
     "accelerate_config": Inert("TRL's CLI launch key: grpo-accel train --accelerate-config decides here"),
+    "nproc_per_node": Inert("TRL's CLI launch key (torchrun's): the launch's --num_processes decides here"),
+    "nnodes": Inert("TRL's CLI launch key (torchrun's): the launch's --num_machines decides here"),
     # data loading (prompts are drawn by the collector, not a DataLoader)
     "dataloader_drop_last": Inert("prompts are drawn by the collector, not a DataLoader"),
     "dataloader_num_workers": Inert("prompts are drawn by the collector, not a DataLoader"),
@@ -364,19 +366,18 @@ REFUSED: dict[str, Refused] = {
 }
 
 NOT_TRLS = {  # keys of recipe scripts built on TRL, and names TRL or transformers had before, not in TRL 1.16
-    "system_prompt": "open-r1", "dataset_prompt_column": "open-r1", "chat_template": "open-r1",
-    "wandb_project": "open-r1", "wandb_entity": "open-r1", "wandb_run_group": "open-r1",
-    "wandb_log_unique_prompts": "open-r1", "benchmarks": "open-r1", "callbacks": "open-r1",
-    "hub_model_revision": "open-r1", "overwrite_hub_revision": "open-r1", "push_to_hub_revision": "open-r1",
-    "dataset_mixture": "open-r1", "max_completion_len": "open-r1", "soft_punish_cache": "open-r1",
-    "cosine_min_value_wrong": "open-r1", "cosine_max_value_wrong": "open-r1", "cosine_min_value_correct": "open-r1",
-    "cosine_max_value_correct": "open-r1", "cosine_max_len": "open-r1", "repetition_n_grams": "open-r1",
-    "repetition_max_penalty": "open-r1", "code_language": "open-r1", "code_eval_test_batch_size": "open-r1",
-    "code_eval_scoring_mode": "open-r1", "parallel_code_exec_per_proc": "open-r1", "e2b_router_url": "open-r1",
-    "morph_router_url": "open-r1", "code_provider": "open-r1", "ioi_provider": "open-r1",
-    "enforce_same_language": "open-r1", "dataset_configs": "open-r1 (older)", "vllm_device": "TRL (older)",
-    "torch_dtype": "TRL (older)", "overwrite_output_dir": "transformers (older)", "num_processes": "TRL's CLI",
-    "accelerate_config": "TRL's CLI",
+    **dict.fromkeys((
+        "system_prompt", "dataset_prompt_column", "chat_template", "wandb_project", "wandb_entity", "wandb_run_group",
+        "wandb_log_unique_prompts", "benchmarks", "callbacks", "hub_model_revision", "overwrite_hub_revision",
+        "push_to_hub_revision", "dataset_mixture", "max_completion_len", "soft_punish_cache", "cosine_min_value_wrong",
+        "cosine_max_value_wrong", "cosine_min_value_correct", "cosine_max_value_correct", "cosine_max_len",
+        "repetition_n_grams", "repetition_max_penalty", "code_language", "code_eval_test_batch_size",
+        "code_eval_scoring_mode", "parallel_code_exec_per_proc", "e2b_router_url", "morph_router_url",
+        "code_provider", "ioi_provider", "enforce_same_language"), "open-r1"),
+    **dict.fromkeys(("num_processes", "accelerate_config", "nproc_per_node", "nnodes"), "TRL's CLI"),
+    "dataset_configs": "open-r1 (older)", "vllm_device": "TRL (older)", "torch_dtype": "TRL (older)",
+    "max_prompt_length": "TRL (older)", "overwrite_output_dir": "transformers (older)",
+    "warmup_ratio": "transformers (older)",
 }
 """Where each key that is not a field of TRL 1.16's dataclasses comes from."""
 

@@ -127,6 +127,8 @@ def logging_rules(t: Translation, layout: TrlLayout) -> None:
         t.put("trainer.log_interval", total, "logging_strategy='no' (once, at the end)", "logging_strategy")
     else:
         raise ConfigError(f"logging_strategy={strategy!r}: use steps, epoch or no.")
+    if "logging_first_step" not in t.trl:
+        t.put("trainer.log_first", False, "logging_first_step (TRL's default false)")
     if "log_level" in t.trl:
         level = t.trl["log_level"]
         if level not in LOG_LEVELS:

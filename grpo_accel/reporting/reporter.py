@@ -29,7 +29,7 @@ class ReportSettings:
     """The trainer's logging arguments (torchrl's names)."""
 
     log_interval: int = 1  # frames between logs
-    log_first: bool = False  # log the first iteration too (TRL's logging_first_step)
+    log_first: bool = True  # log the first iteration whatever log_interval says (TRL's logging_first_step)
     log_timings: bool = False
     auto_log_optim_steps: bool = True
     log_rewards: bool = True
@@ -53,7 +53,7 @@ class Reporter:
         self.history: list[dict[str, float]] = []
         self.timings: dict[str, float] = defaultdict(float)  # seconds per phase of this iteration (cleared after
         # each, logged or not: a log shows its own iteration's phases)
-        self.last_log_frames: float = -math.inf
+        self.last_log_frames: float = -math.inf if settings.log_first else 0.0
         self.bar = None  # the progress bar while training (on a terminal)
         self._lines: tuple[int, float] | None = None  # without one: (total frames, time of the next line)
 
@@ -115,8 +115,7 @@ class Reporter:
         ``log_hook(scalars)`` runs the users' log hooks, which may add scalars."""
         frames = counters["frames"]
         s = self.settings
-        first = s.log_first and not self.history
-        if frames - self.last_log_frames < s.log_interval and not final and not first:
+        if frames - self.last_log_frames < s.log_interval and not final:
             self.timings.clear()
             return
         self.last_log_frames = frames

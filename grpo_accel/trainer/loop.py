@@ -50,8 +50,8 @@ class GRPOTrainer:
     ``batch_size`` defaults to the process's share over ``gradient_accumulation_steps`` (one optimizer step per
     epoch). Beyond the spec: ``accelerator`` (use this one instead of creating one), ``max_staleness`` (async
     mode: batches generated with weights more than this many pushes old are dropped; None keeps all) and
-    ``log_samples`` (completions logged as text per log), ``log_first`` (log the first iteration too, before
-    ``log_interval`` frames) and ``lr_scheduler`` (a torch LR scheduler over
+    ``log_samples`` (completions logged as text per log), ``log_first`` (log the first iteration whatever
+    ``log_interval`` says; false: the first log comes after ``log_interval`` frames) and ``lr_scheduler`` (a torch LR scheduler over
     ``optimizer``, stepped once per optimizer step and saved with the checkpoints).
 
     Example:
@@ -77,7 +77,7 @@ class GRPOTrainer:
         checkpoint_metadata: Callable[[], dict] | None = None, num_epochs: int = 1, async_collection: bool = False,
         log_timings: bool = False, auto_log_optim_steps: bool = True, log_rewards: bool = True, log_kl: bool = True,
         *, accelerator=None, max_staleness: int | None = 1, log_samples: int = 3, lr_scheduler=None,
-        log_first: bool = False,
+        log_first: bool = True,
     ) -> None:
         args = {name: value for name, value in locals().items() if name != "self"}
         check_arguments(args)

@@ -95,13 +95,13 @@ def lr_factor(step: int, warmup: int, total: int, kind: str, min_ratio: float = 
 
 class Schedule(LambdaLR):
     """The run's learning-rate schedule: :func:`lr_factor` of the peak each parameter group was built with, one
-    torch step per optimizer step; its kind and length are known to whoever holds it."""
+    torch step per optimizer step (a torch ``LambdaLR``: the stepper restores it as one)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, kind: str, warmup: int, total: int,
                  min_ratio: float = 0.0) -> None:
         if kind not in SCHEDULES:
             raise ValueError(f"Schedule kind={kind!r}: must be one of {list(SCHEDULES)}.")
-        self.kind, self.warmup, self.total, self.min_ratio = kind, warmup, total, min_ratio
+        # the curve lives in the factor alone (a checkpoint's state restores the step, not another run's curve)
         super().__init__(optimizer, functools.partial(lr_factor, warmup=warmup, total=total, kind=kind,
                                                       min_ratio=min_ratio))
 

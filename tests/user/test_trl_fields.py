@@ -1,6 +1,7 @@
 """Recipes published for TRL run as published (issue 63): every field of the installed TRL's dataclasses in one of
 three lists, the recipe scripts' own keys, files that mix TRL's names with grpo_accel's, command-line values that
-are not YAML, and two open-r1 recipes trained for 2 steps with only the edits this machine forces."""
+are not YAML, and three published recipes (two of open-r1's, TRL's own docs' GRPO config) trained for 2 steps with
+only the edits this machine forces."""
 import dataclasses
 import json
 import logging
@@ -42,7 +43,7 @@ def test_every_field_of_the_installed_trl_is_in_exactly_one_list():
     assert not missing, f"fields of the installed trl in no list of grpo_accel/recipe/trl_fields.py: {missing}"
     lists = [set(TRANSLATED), set(NO_EFFECT), set(REFUSED)]
     assert all(not a & b for i, a in enumerate(lists) for b in lists[i + 1:])
-    strangers = sorted(TRL_KEYS - set(fields) - set(NOT_TRLS) - {"max_prompt_length", "warmup_ratio"})
+    strangers = sorted(TRL_KEYS - set(fields) - set(NOT_TRLS))
     assert not strangers, f"keys in the lists that are neither TRL's nor said where they come from: {strangers}"
 
 
@@ -278,3 +279,42 @@ def test_use_vllm_true_trains_from_an_sglang_server(tmp_path, model_dir, fresh_s
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["rollout"]["backend"] == "sglang" and saved["loss"]["tis_cap"] == 3.0
     assert server_state(url)["weight_version"] == "2"  # both batches' weights pushed to the server
+
+
+def test_trls_own_docs_grpo_config_trains_as_published(tmp_path, smollm2, caplog):
+    """TRL's CLI docs' GRPO config file (tests/fixtures/recipes/README.md): its Qwen2.5-0.5B and Polaris dataset
+    for SmolLM2 and rows in Polaris' conversational layout, a short run; its nproc_per_node is the launch's."""
+    from grpo_accel.reporting.event_files import read_scalars
+
+    data = tmp_path / "polaris.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {a} + {a}?"}],
+                                        "solution": f"${2 * a}$"}) + "\n" for a in range(8)))
+    published = yaml.safe_load((RECIPES / "trl-docs_clis_grpo.yaml").read_text())
+    config = write(tmp_path, {**published, "model_name_or_path": str(smollm2), "dataset_name": str(data),
+                              "output_dir": str(tmp_path / "run"), "bf16": False, "max_steps": 2,
+                              "per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 8})
+    with caplog.at_level(logging.INFO):
+        assert train_in_process(["--config", str(config), "trainer.progress_bar=false"]) == 0
+    said = next(r.getMessage() for r in caplog.records if "holds TRL's settings" in r.getMessage())
+    assert "no effect here: nproc_per_node" in said
+    # TRL's logging_steps 10 and logging_first_step false: one log in a 2-step run, at its end
+    assert [s for s, _ in read_scalars(tmp_path / "run" / "tensorboard")["train/reward/accuracy_reward_mean"]] == [2]
+
+
+def test_log_first_and_log_level(tmp_path):
+    """trainer.log_first (the default) logs the first batch whatever log_interval says (TRL's logging_first_step);
+    trainer.log_level=warning leaves grpo_accel's info lines off the console."""
+    import subprocess
+    import sys
+
+    from grpo_accel.reporting.event_files import read_scalars
+
+    for first, steps in ((True, [1, 2]), (False, [2])):
+        out = tmp_path / f"first-{first}"
+        assert train_in_process([f"output_dir={out}", "trainer.total_frames=256", "trainer.log_interval=100000",
+                                 f"trainer.log_first={str(first).lower()}", "trainer.progress_bar=false"]) == 0
+        assert [step for step, _ in read_scalars(out / "tensorboard")["train/reward_mean"]] == steps
+    run = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), f"output_dir={tmp_path / 'quiet'}",
+                          "trainer.total_frames=128", "trainer.progress_bar=false", "trainer.log_level=warning"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0 and "done: 128 frames" not in run.stderr and "summary:" not in run.stderr
