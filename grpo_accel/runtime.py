@@ -63,14 +63,40 @@ def keep_freed_memory(mmap_threshold: int = 2**30, trim_threshold: int = 2**31 -
     +5.8 %). Blocks above ``mmap_threshold`` still get their own pages. Returns whether glibc took both settings (False
     where the C library is not glibc); inherited by processes forked after it. Both values are C ints.
     """
-    global _KEEPING
+    global _KEPT
     mallopt = _glibc_function("mallopt")
-    _KEEPING = mallopt is not None and bool(mallopt(MALLOC_MMAP_THRESHOLD, mmap_threshold)) and bool(
+    kept = mallopt is not None and bool(mallopt(MALLOC_MMAP_THRESHOLD, mmap_threshold)) and bool(
         mallopt(MALLOC_TRIM_THRESHOLD, trim_threshold))
-    return _KEEPING
+    _KEPT = (mmap_threshold, trim_threshold) if kept else None
+    return kept
 
 
-_KEEPING = False  # keep_freed_memory is in force
+_KEPT: tuple[int, int] | None = None  # keep_freed_memory's thresholds while in force
+GLIBC_START_THRESHOLD = 128 * 1024  # glibc's starting mmap and trim thresholds (malloc.c, DEFAULT_MMAP_THRESHOLD_MIN)
+
+
+def configure_allocator(zero3: bool) -> bool:
+    """How glibc's malloc treats the memory torch frees, for a run partitioned by ZeRO-3 or not; returns whether
+    freed memory is kept.
+
+    Not ZeRO-3: kept for the next step (:func:`keep_freed_memory`). ZeRO-3: handed back, with glibc's starting
+    thresholds held (128 KiB; glibc's own rise, which keeps blocks up to 32 MiB in the heap, stays off). Under
+    ZeRO-3 every forward gathers each module's whole weights and frees them again; kept, those blocks and the
+    fragments between them stayed in the heap. 4 processes with a SmolLM2-sized Llama and a KL reference, to the
+    end of an 8-token first generation: peaks 1,709-1,937 MiB kept, 1,281-1,283 MiB handed back (at 4 MiB /
+    64 MiB thresholds 1,489-1,600). The cost is page faults on
+    a CPU: that generation took 37.4 s handed back against 22.2 s kept (tests/launched/test_zero3_load.py,
+    docs/pages/benchmarks.md). A GPU's tensors do not go through malloc.
+    """
+    global _KEPT
+    if not zero3:
+        return keep_freed_memory()
+    mallopt = _glibc_function("mallopt")
+    if mallopt is not None:
+        mallopt(MALLOC_MMAP_THRESHOLD, GLIBC_START_THRESHOLD)
+        mallopt(MALLOC_TRIM_THRESHOLD, GLIBC_START_THRESHOLD)
+    _KEPT = None
+    return False
 
 
 @contextlib.contextmanager
@@ -92,10 +118,10 @@ def freed_memory_returned(mmap_threshold: int = 2**20) -> Iterator[None]:
     try:
         yield
     finally:
-        if _KEEPING:
-            keep_freed_memory()
+        if _KEPT is not None:
+            keep_freed_memory(*_KEPT)
         else:
-            mallopt(MALLOC_MMAP_THRESHOLD, 128 * 1024)  # glibc's starting value (its own rise stays off)
+            mallopt(MALLOC_MMAP_THRESHOLD, GLIBC_START_THRESHOLD)  # its own rise stays off
         release_freed_memory()
 
 

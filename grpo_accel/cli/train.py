@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_frames=256")
     args = parser.parse_args(argv)
     quiet_console()
-    from grpo_accel.runtime import configure_threads, keep_freed_memory
-
+    from grpo_accel.distributed.deepspeed_files import launched_zero_stage
+    from grpo_accel.runtime import configure_allocator, configure_threads
     from grpo_accel.shipped import find
 
     cfg = load_config(args.config and find("recipe", args.config), args.overrides)
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("grpo_accel").setLevel(cfg.trainer.log_level.upper())
     sys.argv[1:] = [redact_text(arg) for arg in sys.argv[1:]]  # trackers record the command line (W&B's args)
     configure_threads()
-    keep_freed_memory()
+    configure_allocator(zero3=launched_zero_stage() == 3)
     start = time.perf_counter()
     lock = RunFolderLock(cfg.output_dir) if first_process() else None
     if lock is not None:

@@ -66,21 +66,43 @@ def configure_deepspeed(ds_config: dict, *, micro_batch: int, accumulation: int,
     """Write the values the trainer owns into the DeepSpeed config, so users never set them in two places.
 
     Batch sizes and accumulation come from the trainer; clipping from ``clip_norm`` (DeepSpeed clips inside its
-    step); hidden-size-based ZeRO buckets left at "auto" are sized like Accelerate does for a bare model.
+    step); hidden-size-based ZeRO buckets left at "auto" are sized like Accelerate does for a bare model, and
+    ZeRO-3's live parameters and reuse distance by :func:`zero3_live_elements`.
     """
     ds_config["train_micro_batch_size_per_gpu"] = micro_batch
     ds_config["gradient_accumulation_steps"] = accumulation
     ds_config["train_batch_size"] = micro_batch * accumulation * num_processes
     ds_config["gradient_clipping"] = float(clip_norm or 0.0)
     zero = ds_config.setdefault("zero_optimization", {})
+    sized = {"stage3_max_live_parameters": zero3_live_elements(hidden_size),
+             "stage3_max_reuse_distance": zero3_live_elements(hidden_size)}
     if hidden_size:
-        sized = {"reduce_bucket_size": hidden_size * hidden_size,
-                 "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
-                 "stage3_param_persistence_threshold": 10 * hidden_size}
-        for key, value in sized.items():
-            if zero.get(key) == "auto":
-                zero[key] = value
+        sized |= {"reduce_bucket_size": hidden_size * hidden_size,
+                  "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+                  "stage3_param_persistence_threshold": 10 * hidden_size}
+    for key, value in sized.items():
+        if zero.get(key) == "auto":
+            zero[key] = value
     return ds_config
+
+
+DEEPSPEED_LIVE_ELEMENTS = 10**9  # DeepSpeed's default stage3_max_live_parameters and stage3_max_reuse_distance
+
+
+def zero3_live_elements(hidden_size: int | None) -> int:
+    """ZeRO-3's "auto" ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance``: 30 x hidden^2 elements,
+    about two and a half decoder layers of a Llama-family model (each ~12 x hidden^2: the layer in use, the next
+    one prefetched, and what the end of the forward leaves for the start of the backward), at most DeepSpeed's
+    default of 1e9 (which it is for a model without a hidden size).
+
+    DeepSpeed keeps a gathered parameter whole while it is used again within the reuse distance and prefetches
+    while fewer than the live count are gathered: at 1e9 elements a model below a billion parameters stayed
+    gathered whole through every step, its reference's too: 4 processes training a SmolLM2-sized Llama with a
+    KL reference peaked at 2,363-2,581 MiB each in a step; at 30 x hidden^2, 1,688-1,726 MiB
+    (launch/bench/memory.py, docs/pages/benchmarks.md)."""
+    if not hidden_size:
+        return DEEPSPEED_LIVE_ELEMENTS
+    return min(30 * hidden_size * hidden_size, DEEPSPEED_LIVE_ELEMENTS)
 
 
 def configure_deepspeed_for(accelerator, model, *, micro_batch: int, accumulation: int,

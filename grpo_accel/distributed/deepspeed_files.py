@@ -80,6 +80,12 @@ def preflight() -> dict:
     return read_deepspeed_file(path)
 
 
+def launched_zero_stage() -> int:
+    """The ZeRO stage this launch runs (0 without DeepSpeed), from its DeepSpeed file, before any process group
+    exists (the file checked as :func:`preflight` checks it)."""
+    return int(preflight().get("zero_optimization", {}).get("stage", 0))
+
+
 def check_deepspeed_keys(cfg: dict, source: str) -> None:
     """Misspelt keys, named with the file and the nearest valid key before any process starts (DeepSpeed itself
     fails on every rank with a pydantic traceback that never names the file, or ignores the key). The

@@ -79,3 +79,32 @@ def build_tiny_qwen2(tokenizer, seed: int | None = None):
     if seed is not None:
         torch.manual_seed(seed)
     return Qwen2ForCausalLM(config)
+
+
+def save_smollm2_shaped(folder, seed: int = 0):
+    """A ``LlamaForCausalLM`` of SmolLM2-135M's shape with random weights, saved with the character tokenizer in
+    ``folder``: 134.5M parameters, 538 MB in float32 (hidden 576, 30 layers, 9 heads over 3 key/value heads, a
+    vocabulary of 49,152 embedded once and tied to the head, the largest weight at 113 MB). For measuring memory
+    at a real model's size without the package registry's model. Built on the meta device, so the weights are
+    made once. Returns ``folder`` as a Path."""
+    from pathlib import Path
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_char_tokenizer()
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                         rope_theta=100000.0, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device="cpu")
+    model.tie_weights()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02, generator=generator)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return Path(folder)

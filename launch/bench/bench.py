@@ -106,13 +106,14 @@ def run(args) -> dict | None:
     from grpo_accel.distributed import full_numel, launch_world_size, zero_stage
     from grpo_accel.recipe.build import build_trainer, close_parts
     from grpo_accel.rollout.collector import score_rollout
-    from grpo_accel.runtime import configure_threads, keep_freed_memory
+    from grpo_accel.distributed.deepspeed_files import launched_zero_stage
+    from grpo_accel.runtime import configure_allocator, configure_threads
 
     if (args.items or args.loop) and launch_world_size() > 1:
         raise SystemExit(f"launch/bench/bench.py: {'--items' if args.items else '--loop'} measures on one process; run it "
                          "without accelerate launch or with accelerate_configs/single_process.yaml.")
     threads = configure_threads()
-    keep_freed_memory()  # as launch/train.py does
+    configure_allocator(zero3=launched_zero_stage() == 3)  # as launch/train.py does
     dtype = getattr(torch, args.dtype)
     tokenizer, model = _tokenizer_and_model(args)
     model = model.to(dtype)

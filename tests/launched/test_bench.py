@@ -230,3 +230,22 @@ def test_the_trl_comparison_runs_the_readme_command_from_a_baseline_checkout(tmp
     with pytest.raises(SystemExit):
         trl_parity.main(["--trl-python", sys.executable, "--baseline", str(tmp_path)])
     assert f"--baseline {tmp_path}: no launch/train.py there" in capsys.readouterr().err
+
+
+def test_the_memory_table_measures_each_phase_of_each_stage(model_folder, monkeypatch, capsys):
+    """launch/bench/memory.py, small: 2 processes under ZeRO-2 and ZeRO-3 train the tiny Llama against an SGLang
+    stand-in; every process reports its load, steady-training and first-push peaks, and the ZeRO-3 push's gather
+    holds at most one bucket's weights at a time (0.05 MB at bfloat16, of a 0.4 MB model): gathered at float32
+    (twice the bucket) and their bfloat16 copies (once)."""
+    monkeypatch.syspath_prepend(str(ROOT / "launch" / "bench"))
+    from memory import main
+
+    bucket_mb = 0.05
+    results = main(["--model", str(model_folder), "--processes", "2", "--batches", "2", "--bucket-mb",
+                    str(bucket_mb), "--configs", "zero2", "zero3"])
+    assert list(results) == ["zero2", "zero3"]
+    for ranks in results.values():
+        assert [r["rank"] for r in ranks] == [0, 1]
+        assert all(0 < r["load"] <= r["steady"] and r["push"] > 0 for r in ranks), ranks
+    assert all(0 < r["push_reported"] <= 3 * bucket_mb * 1e6 for r in results["zero3"]), results["zero3"]
+    assert "| `zero3.yaml` | 1 |" in capsys.readouterr().out

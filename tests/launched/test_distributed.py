@@ -325,48 +325,6 @@ def test_torch_threads_per_process(monkeypatch, env, threads):
         torch.set_num_threads(before)
 
 
-FAULTS_OF_A_STEP = """
-import ctypes, resource, sys, torch
-from grpo_accel.runtime import keep_freed_memory
-kept = keep_freed_memory() if sys.argv[1] == "kept" else None
-def step():  # two 64 MiB tensors allocated, touched and freed, as a training step's activations are
-    a = torch.ones(2**24)
-    return float((a * 2)[-1])
-for _ in range(4):  # the heap settles in a few steps
-    step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(10):
-    step()
-faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-sbrk = ctypes.CDLL("libc.so.6").sbrk
-sbrk.restype = ctypes.c_void_p
-for _ in range(20):
-    step()
-settled = sbrk(0)  # the heap's end
-for _ in range(100):
-    step()
-print(kept, faults, sbrk(0) - settled)
-"""
-
-
-def test_freed_memory_is_reused_without_page_faults():
-    """glibc serves a 64 MiB block with fresh mmap pages, faulted in 4 KiB at a time, every time it is allocated
-    (16,384 faults each); after keep_freed_memory a step reuses the blocks the previous one freed (most steps
-    fault nothing; now and then one block still lands on new pages), and the heap stops growing: aligned blocks
-    of one size do not always fit the hole a freed one leaves, so it grows for some steps (to ~4x the live 128
-    MiB here), then serves every step from what it has."""
-    import subprocess
-
-    def run(mode: str) -> tuple[str, int, int]:
-        out = subprocess.run([sys.executable, "-c", FAULTS_OF_A_STEP, mode], capture_output=True, text=True,
-                             check=True, cwd=ROOT).stdout.split()
-        return out[0], int(out[1]), int(out[2])
-
-    (_, default, _), (kept, reused, growth) = run("default"), run("kept")
-    assert kept == "True" and default > 10 * 30_000 and reused < default / 4, (default, kept, reused)
-    assert growth == 0, f"the heap grew by {growth} bytes over 100 settled steps"
-
-
 def test_a_build_lock_nobody_holds_is_removed_and_a_held_one_is_reported(tmp_path, caplog):
     """torch's JIT builder holds its lock file open while it builds (torch/utils/file_baton.py) and others wait
     on the file silently, forever; a builder killed mid-build left the file, and every later launch hung."""

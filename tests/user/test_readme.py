@@ -34,6 +34,8 @@ ELSEWHERE = {  # how a command starts -> why it does not run in this suite, and 
     "PYTHONPATH=. .venv/bin/python launch/bench/overlap.py": "4 runs of the README's command against stand-ins (minutes "
         "at 135M); tests/launched/test_bench.py runs it small and checks its arithmetic on event files of known times",
     "bash launch/bench/gpu_check.sh": "needs a GPU; tests/launched/test_bench.py checks that it refuses without one",
+    "PYTHONPATH=. .venv/bin/python launch/bench/memory.py": "5 launches of 4 processes at 135M (about 12 minutes); "
+        "tests/launched/test_bench.py runs it small, tests/launched/test_zero3_load.py holds ZeRO-3 to its goal",
     ".venv/bin/python -m pytest -q tests/": "a test of the suite, which runs it",
     ".venv/bin/grpo-accel models smollm2-135m": "downloads 93 MB; tests/conftest.py's smollm2 fixture "
         "runs the same conversion once per machine",
