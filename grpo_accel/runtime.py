@@ -84,9 +84,9 @@ def configure_allocator(zero3: bool) -> bool:
     ZeRO-3 every forward gathers each module's whole weights and frees them again; kept, those blocks and the
     fragments between them stayed in the heap. 4 processes with a SmolLM2-sized Llama and a KL reference, to the
     end of an 8-token first generation: peaks 1,709-1,937 MiB kept, 1,281-1,283 MiB handed back (at 4 MiB /
-    64 MiB thresholds 1,489-1,600). The cost is page faults on
-    a CPU: that generation took 37.4 s handed back against 22.2 s kept (tests/launched/test_zero3_load.py,
-    docs/pages/benchmarks.md). A GPU's tensors do not go through malloc.
+    64 MiB thresholds 1,489-1,600). The cost is page faults on a CPU: that generation took 37.4 s handed back
+    against 22.2 s kept (tests/launched/test_zero3_load.py, docs/pages/benchmarks.md). A GPU's tensors do not go
+    through malloc.
     """
     global _KEPT
     if not zero3:
