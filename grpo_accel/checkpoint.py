@@ -10,6 +10,9 @@ Layout of ``<directory>/step_00000042/`` (one folder per save, named by the trai
     metadata.json           step, frames, processes, ZeRO stage, parameter signature, user metadata, file manifest
     COMPLETE                written last: a folder without it is never loaded
 
+and, once another process count or ZeRO stage resumes it, ``step_00000042.portable/`` beside it: every parameter's
+weight and optimizer moments whole (:mod:`grpo_accel.trainer.portable`), deleted with the checkpoint.
+
 Every rank writes into ``.tmp-step_00000042/``; once all have finished, rank 0 writes the manifest and the
 marker and renames the folder. A crash at any point leaves either the previous checkpoints untouched or a
 ``.tmp-`` folder that is never loaded.
@@ -43,6 +46,12 @@ class CheckpointError(UserError, RuntimeError):
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def converted(folder: Path) -> Path:
+    """Where a checkpoint folder's portable form goes when another layout resumes it (beside it, deleted with it)."""
+    folder = Path(folder)
+    return folder.with_name(folder.name + ".portable")
 
 
 def rank_state_file(folder: Path, rank: int) -> Path:
@@ -176,8 +185,9 @@ class Checkpoint:
             raise CheckpointError(f"checkpoint {path}: {METADATA} is missing or unreadable ({exc}).") from exc
 
     @classmethod
-    def verify(cls, path: Path, *, num_processes: int, zero_stage: int, signature: str) -> dict:
-        """Metadata of ``path`` after checking every file is present and whole, and the run matches."""
+    def verify(cls, path: Path, *, signature: str) -> dict:
+        """Metadata of ``path`` after checking every file is present and whole and the model is this run's. Any
+        process count and ZeRO stage may resume it (:mod:`grpo_accel.trainer.portable`)."""
         path = Path(path)
         meta = cls.read_metadata(path)
         for name, size in meta.get("manifest", {}).items():
@@ -188,15 +198,6 @@ class Checkpoint:
             if file.stat().st_size != size:
                 raise CheckpointError(f"checkpoint {path}: file {name} has {file.stat().st_size} bytes, {size} were "
                                       "written (truncated or corrupted); resume from another checkpoint.")
-        if meta["num_processes"] != num_processes:
-            raise CheckpointError(
-                f"checkpoint {path} was written by {meta['num_processes']} processes, this run has {num_processes}. "
-                f"Resume with {meta['num_processes']} processes, or export it (grpo-accel export {path} "
-                "OUT) and start a new run from that folder."
-            )
-        if meta["zero_stage"] != zero_stage:
-            raise CheckpointError(f"checkpoint {path} is from ZeRO stage {meta['zero_stage']}, this run uses stage "
-                                  f"{zero_stage}; resume with the same accelerate config, or export and restart.")
         if meta["signature"] != signature:
             raise CheckpointError(f"checkpoint {path} holds another model (parameter names/shapes differ: signature "
                                   f"{meta['signature']} vs {signature} here); check model.* settings and output_dir.")
@@ -216,8 +217,9 @@ class Checkpoint:
             f.write("ok\n")
             f.flush()
             os.fsync(f.fileno())
-        if final.exists():  # a previous run's folder for the same step (e.g. after a resume from an older one)
-            shutil.rmtree(final)
+        for old in (final, converted(final)):  # a previous run's folder for the same step (a resume from an older one)
+            if old.exists():
+                shutil.rmtree(old)
         os.replace(staging, final)
         return final
 
@@ -232,6 +234,7 @@ class Checkpoint:
         for step in rotation.to_delete(entries, current):
             path = self.directory / step_dir_name(step)
             shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(converted(path), ignore_errors=True)
             deleted.append(path)
         return deleted
 

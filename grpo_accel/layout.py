@@ -116,6 +116,38 @@ class BatchLayout:
                 "batch")
 
 
+def resized_split(saved: BatchLayout, micro_batch: int, accumulation: int, layout: BatchLayout,
+                  epochs: int = 1, sampled: int | None = None) -> tuple[int, int]:
+    """The (micro-batch, accumulation) that keep ``saved``'s batch on ``layout``'s processes: the same completions
+    per optimizer step and optimizer steps per collected batch, the micro-batch kept where it can be, else the
+    accumulation. Raises ValueError naming the settings and the process counts that keep it."""
+    found = _split_keeping(saved, micro_batch, accumulation, layout, epochs, sampled)
+    if found is not None:
+        return found
+    names, step = layout.names, micro_batch * accumulation * saved.processes
+    counts = [n for n in _divisors(saved.prompts) if _split_keeping(
+        saved, micro_batch, accumulation, BatchLayout(saved.prompts, saved.group_size, n), epochs, sampled)]
+    raise ValueError(f"{step} completions per optimizer step ({names['micro_batch']}={micro_batch} x "
+                     f"{names['accumulation']}={accumulation} x {saved.processes} processes) cannot be kept over "
+                     f"{layout.processes} processes (no {names['micro_batch']} x {names['accumulation']} makes "
+                     f"{step / layout.processes:g} per process); resume on one of {counts} processes.")
+
+
+def _split_keeping(saved: BatchLayout, micro_batch: int, accumulation: int, layout: BatchLayout, epochs: int,
+                   sampled: int | None) -> tuple[int, int] | None:
+    step = micro_batch * accumulation * saved.processes
+    steps = saved.optimizer_steps(micro_batch, accumulation, epochs, sampled)
+    if step % layout.processes:
+        return None
+    share = step // layout.processes  # completions per process in one optimizer step
+    for micro, ga in ((micro_batch, share // micro_batch), (share // accumulation, accumulation), (share, 1)):
+        if micro < 1 or ga < 1 or micro * ga != share:
+            continue
+        if layout.micro_batches(micro, sampled) % ga == 0 and layout.optimizer_steps(micro, ga, epochs, sampled) == steps:
+            return micro, ga
+    return None
+
+
 def _pieces(sizes: list[int]) -> str:
     """[7, 7, 7, 7, 4] -> "5 micro-batches: 4 of 7 and 1 of 4"; [8, 8] -> "2 micro-batches of 8"."""
     if len(set(sizes)) == 1:

@@ -15,7 +15,9 @@ import torch
 
 from grpo_accel.checkpoint import (Checkpoint, CheckpointError, CheckpointRotation, file_manifest, load_trainer_payload,
                                    rank_state_file, save_trainer_payload, step_dir_name)
-from grpo_accel.distributed import any_process, uses_deepspeed, zero_stage
+from grpo_accel.distributed import any_process, full_shape, uses_deepspeed, zero_stage
+from grpo_accel.trainer.portable import (Layout, convert, folder_bytes, is_complete, load_into_deepspeed, load_whole,
+                                         portable_dir, rank_state_for, same_files, saved_layout)
 
 logger = logging.getLogger(__name__)
 
@@ -99,20 +101,91 @@ class RunCheckpointer:
                                f"removed and earlier checkpoints are kept ({[p.name for p in kept] or 'none'}); "
                                f"make room (or write elsewhere), then rerun with {self.checkpoint.resume_setting}=auto.")
 
-    def load(self, path: Path, *, signature: str, strict: bool = True) -> dict | None:
-        """Verify ``path`` against this run, load accelerate state, return this rank's trainer state."""
+    def load(self, path: Path, *, signature: str, strict: bool = True, module=None, optimizer=None,
+             pad_id: int = 0) -> dict | None:
+        """Verify ``path`` against this run, load its weights, optimizer, schedule and RNG, return this rank's
+        trainer state. Saved in this run's layout: ``accelerator.load_state``, bitwise. Saved by another process
+        count or ZeRO stage: through the checkpoint's portable form (``module``: the prepared model, ``optimizer``:
+        the prepared optimizer; ``pad_id`` pads replay-buffer rows dealt out again)."""
         start = time.perf_counter()
         acc = self.accelerator
-        Checkpoint.verify(path, num_processes=acc.num_processes, zero_stage=zero_stage(acc), signature=signature)
-        rank_file = rank_state_file(path, acc.process_index)
+        metadata = Checkpoint.verify(path, signature=signature)
+        saved, run = saved_layout(path, metadata), run_layout(acc)
         try:
-            acc.load_state(str(path), **_load_kwargs(acc))
-            state = torch.load(rank_file, weights_only=True) if rank_file.is_file() or strict else None
+            if same_files(saved, run):
+                acc.load_state(str(path), **_load_kwargs(acc))
+                how = ""
+            else:
+                how = self._load_converted(path, saved, module, optimizer)
+            states = [torch.load(rank_state_file(path, r), weights_only=True) for r in range(saved.processes)
+                      if rank_state_file(path, r).is_file() or strict]
+        except CheckpointError:
+            raise
         except Exception as exc:
             raise CheckpointError(f"checkpoint {path} could not be loaded ({type(exc).__name__}: {exc}); resume "
                                   "from another checkpoint. Nothing in the run folder was changed.") from exc
+        state, notes = (states[acc.process_index] if acc.process_index < len(states) else None), []
+        if states and saved.processes != run.processes:
+            state, notes = rank_state_for(states, acc.process_index, run.processes, pad_id)
+        if saved != run and acc.is_main_process:
+            logger.info("checkpoint %s: saved by %s, resumed by %s%s%s", path.name, saved.describe(), run.describe(),
+                        how, "".join(f"; {note}" for note in notes))
         logger.info("checkpoint %s loaded in %.2f s", path, time.perf_counter() - start)
         return state
+
+    def _load_converted(self, path: Path, saved, module, optimizer) -> str:
+        """Load ``path`` (saved in layout ``saved``) through its portable form, made once by the main process;
+        returns what happened, in words, for the start line."""
+        acc = self.accelerator
+        unwrapped = acc.unwrap_model(module)
+        shapes = {name: full_shape(p) for name, p in unwrapped.named_parameters() if p.requires_grad}
+        portable, failed, made = portable_dir(path), None, not is_complete(portable_dir(path))
+        start = time.perf_counter()
+        if acc.is_main_process:
+            try:
+                convert(path, saved, shapes)
+            except Exception as exc:
+                failed = exc
+        if any_process(failed is not None):
+            why = f"{type(failed).__name__}: {failed}" if failed is not None else "the main process could not"
+            if failed is not None and _no_space(failed):
+                why = f"no space left on {path.parent} ({shutil.disk_usage(path.parent).free / 1e6:.1f} MB free)"
+            raise CheckpointError(
+                f"checkpoint {path} (saved by {saved.describe()}) could not be converted for {run_layout(acc).describe()}"
+                f" ({why}); nothing was written beside it and the checkpoint is as it was. Make room or resume with "
+                f"the saved layout ({saved.describe()}).") from failed
+        seconds = time.perf_counter() - start
+        if uses_deepspeed(acc) and (zero_stage(acc) > 0 or module.bfloat16_enabled()):
+            load_into_deepspeed(module, portable)
+        else:
+            load_whole(unwrapped, getattr(optimizer, "optimizer", optimizer), portable)
+        if uses_deepspeed(acc):
+            module.global_steps = module.global_samples = 0  # DeepSpeed's own counters (logging only) restart
+        self._load_rest(path, saved)
+        size = folder_bytes(portable) / 1e6
+        what = (f"converted to its portable form {portable.name} ({size:.1f} MB) in {seconds:.2f} s" if made else
+                f"through its portable form {portable.name} ({size:.1f} MB), made by an earlier resume")
+        rng = "" if saved.processes == acc.num_processes else \
+            "; each process's random streams start from rank 0's (sampling is keyed by group: completions unchanged)"
+        return f": {what}{rng}"
+
+    def _load_rest(self, path: Path, saved) -> None:
+        """What ``load_state`` restores besides the model and optimizer: the objects registered for
+        checkpointing (the learning-rate schedule), the accumulation step and the RNG (this rank's where the
+        process count is the saved one, else rank 0's)."""
+        from accelerate.checkpointing import load_accelerator_state, load_custom_state
+
+        acc = self.accelerator
+        for index, obj in enumerate(acc._custom_objects):
+            load_custom_state(obj, str(path), index)
+        rank = acc.process_index if saved.processes == acc.num_processes else 0
+        restored = load_accelerator_state(str(path), [], [], [], [], rank)
+        acc.step = restored.get("step", acc.step)
+
+
+def run_layout(acc) -> Layout:
+    """The layout this run saves in (and reads without conversion)."""
+    return Layout(acc.num_processes, zero_stage(acc), uses_deepspeed(acc))
 
 
 def hugging_face_assets(config, tokenizer) -> list:
@@ -144,10 +217,11 @@ class TrainerFiles:
                 save_trainer_payload(self.file, weights, rank_state)
         return final
 
-    def load_folder(self, path: Path, signature: str, strict: bool = True) -> dict | None:
-        """This rank's trainer state of checkpoint folder ``path`` (accelerate state loaded)."""
+    def load_folder(self, path: Path, signature: str, strict: bool = True, **parts) -> dict | None:
+        """This rank's trainer state of checkpoint folder ``path`` (its weights, optimizer, schedule and RNG loaded;
+        ``parts``: :meth:`RunCheckpointer.load`'s)."""
         checkpointer = self.checkpointer or RunCheckpointer(self.accelerator, Checkpoint(Path(path).parent))
-        return checkpointer.load(path, signature=signature, strict=strict)
+        return checkpointer.load(Path(path), signature=signature, strict=strict, **parts)
 
     def load_file(self, path: Path, module, strict: bool = True, **kwargs) -> dict:
         """The trainer state of a payload file; its weights are loaded into ``module`` (``kwargs``: torch.load's)."""

@@ -27,7 +27,7 @@ from tensordict import TensorDict, TensorDictBase
 from grpo_accel import batch
 from grpo_accel.checkpoint import Checkpoint, module_signature
 from grpo_accel.contracts import Collector, LossModule, OptimizationStepper, as_logger, as_weight_sender
-from grpo_accel.distributed import any_process, configure_deepspeed_for, zero_stage
+from grpo_accel.distributed import any_process, configure_deepspeed_for, uses_deepspeed, zero_stage
 from grpo_accel.reporting.reporter import Reporter, ReportSettings
 from grpo_accel.runtime import stop_on_signals
 from grpo_accel.trainer.args import accelerator_for, check_arguments, replay_buffer_for
@@ -207,6 +207,7 @@ class GRPOTrainer:
         """Save now (collective): the checkpoint folder, and ``save_trainer_file`` if set."""
         info = {"reason": reason, "frames": self.frames, "optim_steps": self.optim_steps,
                 "num_processes": self.accelerator.num_processes, "zero_stage": zero_stage(self.accelerator),
+                "deepspeed": uses_deepspeed(self.accelerator),
                 "signature": module_signature(self.unwrapped_loss), "metrics": self.history[-1] if self.history else {}}
         with self.reporter.timed("checkpoint"):
             final = self._files.save(self.iterations, self.state_dict(), info, self.loss_module,
@@ -330,7 +331,8 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------------- saving and stopping
 
     def _resume(self, path: Path, strict: bool = True) -> None:
-        state = self._files.load_folder(path, module_signature(self.unwrapped_loss), strict)
+        state = self._files.load_folder(path, module_signature(self.unwrapped_loss), strict, module=self.loss_module,
+                                        optimizer=self.optimizer, pad_id=self.replay_buffer.pad_id)
         if state is not None:
             self.load_state_dict(state)
         for saved, given in self.rate.restore():  # the rates this run was given win over the checkpoint's
