@@ -124,7 +124,7 @@ def resized_split(saved: BatchLayout, micro_batch: int, accumulation: int, layou
     found = _split_keeping(saved, micro_batch, accumulation, layout, epochs, sampled)
     if found is not None:
         return found
-    names, step = layout.names, micro_batch * accumulation * saved.processes
+    names, step = saved.names, micro_batch * accumulation * saved.processes
     counts = [n for n in _divisors(saved.prompts) if _split_keeping(
         saved, micro_batch, accumulation, BatchLayout(saved.prompts, saved.group_size, n), epochs, sampled)]
     raise ValueError(f"{step} completions per optimizer step ({names['micro_batch']}={micro_batch} x "

@@ -147,13 +147,7 @@ class RunCheckpointer:
             except Exception as exc:
                 failed = exc
         if any_process(failed is not None):
-            why = f"{type(failed).__name__}: {failed}" if failed is not None else "the main process could not"
-            if failed is not None and _no_space(failed):
-                why = f"no space left on {path.parent} ({shutil.disk_usage(path.parent).free / 1e6:.1f} MB free)"
-            raise CheckpointError(
-                f"checkpoint {path} (saved by {saved.describe()}) could not be converted for {run_layout(acc).describe()}"
-                f" ({why}); nothing was written beside it and the checkpoint is as it was. Make room or resume with "
-                f"the saved layout ({saved.describe()}).") from failed
+            raise self._conversion_failed(path, saved, failed, shapes)
         seconds = time.perf_counter() - start
         if uses_deepspeed(acc) and (zero_stage(acc) > 0 or module.bfloat16_enabled()):
             load_into_deepspeed(module, portable)
@@ -168,6 +162,22 @@ class RunCheckpointer:
         rng = "" if saved.processes == acc.num_processes else \
             "; each process's random streams start from rank 0's (sampling is keyed by group: completions unchanged)"
         return f": {what}{rng}"
+
+    def _conversion_failed(self, path: Path, saved, exc: Exception | None, shapes: dict) -> CheckpointError:
+        """The one line for a conversion that failed (on the main process; ``exc`` there, None elsewhere)."""
+        run = run_layout(self.accelerator).describe()
+        needed = 3 * 4 * sum(torch.Size(shape).numel() for shape in shapes.values())  # fp32 weight and 2 moments
+        if exc is None:
+            why, fix = "the main process could not write it", f"resume with the saved layout ({saved.describe()})"
+        elif _no_space(exc):
+            free = shutil.disk_usage(path.parent).free
+            why = f"no space left on {path.parent}: {free / 1e6:.1f} MB free, the form needs about {needed / 1e6:.1f} MB"
+            fix = f"make room, or resume with the saved layout ({saved.describe()})"
+        else:
+            why = str(exc) if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: {exc}"
+            fix = f"resume from another checkpoint, or with the saved layout ({saved.describe()})"
+        return CheckpointError(f"checkpoint {path} (saved by {saved.describe()}) could not be converted for {run} "
+                               f"({why}); nothing was written beside it and the checkpoint is as it was: {fix}.")
 
     def _load_rest(self, path: Path, saved) -> None:
         """What ``load_state`` restores besides the model and optimizer: the objects registered for

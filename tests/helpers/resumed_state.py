@@ -7,6 +7,7 @@ optimizer's step, the learning rate, the counters and the data position. Nothing
     accelerate launch --config_file accelerate_configs/zero3.yaml tests/helpers/resumed_state.py output_dir=... \
         checkpoint.resume=auto
 """
+import logging
 import os
 import sys
 from pathlib import Path
@@ -56,6 +57,7 @@ def whole_state(trainer) -> dict:
 
 
 def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the start lines, as the CLI's
     configure_threads()
     cfg = load_config(None, sys.argv[1:])
     trainer = build_trainer(cfg)

@@ -203,3 +203,73 @@ def test_a_full_disk_is_named_and_loses_nothing(tokenizer, small_disk):
     assert "the last checkpoint needed 1.1 MB" in str(error) and "earlier checkpoints are kept (['step_00000001'])" in str(error)
     assert [p.name for p in (small_disk / "ckpt").iterdir()] == ["step_00000001"]  # the partial folder is gone
     assert Checkpoint(small_disk / "ckpt", resume="auto").resume_path().name == "step_00000001"
+
+
+# -- another process count or ZeRO stage (grpo_accel.trainer.portable; the launched runs: test_resume_anywhere.py) --
+
+
+def test_the_batch_is_kept_over_another_process_count():
+    """Completions per optimizer step and optimizer steps per batch as saved: the micro-batch kept where it can be,
+    else the accumulation; a count that cannot keep them is one line naming the settings and the counts that can."""
+    from grpo_accel.layout import BatchLayout, resized_split
+
+    saved = BatchLayout(16, 8, 2)
+    assert resized_split(saved, 64, 1, BatchLayout(16, 8, 1)) == (64, 2)  # 2 x 64 -> 1 x 64 x 2
+    assert resized_split(saved, 64, 1, BatchLayout(16, 8, 4)) == (32, 1)
+    assert resized_split(saved, 32, 2, BatchLayout(16, 8, 1)) == (32, 4)
+    assert resized_split(BatchLayout(16, 8, 1), 64, 1, BatchLayout(16, 8, 2)) == (32, 1)  # 2 steps per batch kept
+    with pytest.raises(ValueError) as err:
+        resized_split(BatchLayout(12, 2, 2), 4, 1, BatchLayout(12, 2, 3))
+    assert str(err.value) == ("8 completions per optimizer step (batch_size=4 x gradient_accumulation_steps=1 x 2 "
+                              "processes) cannot be kept over 3 processes (no batch_size x gradient_accumulation_steps "
+                              "makes 2.66667 per process); resume on one of [1, 2, 4] processes.")
+
+
+def test_the_recipe_refuses_a_process_count_that_cannot_keep_the_batch():
+    from grpo_accel.layout import BatchLayout
+    from grpo_accel.recipe.build import keep_the_batch
+    from grpo_accel.recipe.checks import ConfigError
+    from grpo_accel.recipe.loading import load_config
+
+    cfg = load_config(None, ["rollout.prompts_per_batch=12", "rollout.group_size=2", "trainer.micro_batch_completions=4"])
+    saved = {"num_processes": 2, "user": {"config": {"trainer": {"micro_batch_completions": 4,
+                                                                  "gradient_accumulation_steps": 1}}}}
+    with pytest.raises(ConfigError, match=r"checkpoint saved by 2 processes: 8 completions per optimizer step "
+                                          r"\(trainer.micro_batch_completions=4 .* resume on one of \[1, 2, 4\]"):
+        keep_the_batch(cfg, saved, BatchLayout(12, 2, 3), 4)
+    _, micro = keep_the_batch(cfg, saved, BatchLayout(12, 2, 1), 4)
+    assert (micro, cfg.trainer.micro_batch_completions, cfg.trainer.gradient_accumulation_steps) == (4, 4, 2)
+
+
+def test_the_trainer_state_of_each_new_rank():
+    """Counters and the data position are rank 0's (every rank holds the same); the replay buffers' rows are dealt
+    out again, or dropped and said when they do not divide."""
+    from grpo_accel.trainer.portable import rank_state_for
+
+    def state(rank, rows):
+        storage = None if rows == 0 else {
+            "prompt_ids": torch.full((rows, 3 + rank), rank), "prompt_mask": torch.ones(rows, 3 + rank, dtype=torch.bool),
+            "completion_ids": torch.full((rows, 2), rank), "completion_mask": torch.ones(rows, 2, dtype=torch.bool)}
+        return {"frames": 256, "collector": {"epoch": 1, "position": 7, "batches": 2},
+                "replay_buffer": {"storage": storage, "generator": f"g{rank}"}}
+
+    got, notes = rank_state_for([state(0, 0), state(1, 0)], 0, 1, pad_id=0)
+    assert got["collector"] == {"epoch": 1, "position": 7, "batches": 2} and got["replay_buffer"]["storage"] is None
+    assert notes == []
+    states = [state(0, 3), state(1, 3)]
+    shares = [rank_state_for(states, r, 3, pad_id=0) for r in range(3)]
+    assert [s["replay_buffer"]["storage"]["completion_ids"][:, 0].tolist() for s, _ in shares] == [[0, 0], [0, 1], [1, 1]]
+    assert shares[2][0]["replay_buffer"]["generator"] == "g0"  # a new rank: rank 0's stream
+    assert shares[0][1] == ["the replay buffers' 6 completions dealt out again, 2 per process"]
+    dropped, notes = rank_state_for(states, 0, 4, pad_id=0)
+    assert dropped["replay_buffer"]["storage"] is None and "6 completions dropped" in notes[0]
+
+
+def test_which_layouts_load_without_conversion():
+    from grpo_accel.trainer.portable import Layout, same_files
+
+    ddp2, one, zero0, zero2, zero3 = Layout(2, 0, False), Layout(1, 0, False), Layout(2, 0, True), Layout(2, 2, True), \
+        Layout(2, 3, True)
+    assert same_files(ddp2, one) and same_files(zero0, Layout(1, 0, True)) and same_files(zero2, zero2)
+    assert not same_files(ddp2, zero0) and not same_files(zero2, Layout(1, 2, True)) and not same_files(zero2, zero3)
+    assert zero3.describe() == "2 processes under ZeRO-3" and one.describe() == "1 process without DeepSpeed"
