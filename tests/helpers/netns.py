@@ -5,9 +5,11 @@ other only through that pair, so an address that works only on loopback fails th
 Plain subprocess and urllib here, as in tests/on_sglang/sglang_standin/processes.py: nothing of grpo_accel's own client."""
 import contextlib
 import json
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 SUBNET = "10.231.0"  # both ends live inside the namespaces this module makes, nowhere else
 
@@ -20,9 +22,15 @@ class Hosts:
         self.names = [f"{tag}-0", f"{tag}-1"]
         self.interfaces = [f"{tag}v0", f"{tag}v1"]
         self.addresses = [f"{SUBNET}.1", f"{SUBNET}.2"]
+        self.hostnames = [f"{tag}-host0", f"{tag}-host1"]
 
     def up(self) -> None:
         self.down()
+        for name in self.names:  # each machine's own name resolves to its address (ip netns exec mounts this file)
+            folder = Path("/etc/netns") / name
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "hosts").write_text("127.0.0.1 localhost\n" + "".join(
+                f"{address} {host}\n" for address, host in zip(self.addresses, self.hostnames)))
         run = lambda *cmd: subprocess.run(["ip", *cmd], check=True, capture_output=True, text=True)  # noqa: E731
         try:
             for name in self.names:
@@ -41,12 +49,16 @@ class Hosts:
     def down(self) -> None:
         for name in self.names:  # removing a namespace removes its end of the pair, and so the pair
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
 
-    def prefix(self, host: int, gloo_interface: bool = True) -> list[str]:
+    def prefix(self, host: int, gloo_interface: bool = True, hostname: bool = False) -> list[str]:
         """The command prefix that runs a command on ``host``; ``gloo_interface``: with GLOO_SOCKET_IFNAME set to
-        that host's interface, as an operator sets it (or NCCL_SOCKET_IFNAME) on a real multi-homed machine."""
+        that host's interface, as an operator sets it (or NCCL_SOCKET_IFNAME) on a real multi-homed machine;
+        ``hostname``: under a host name of its own that resolves to its address, as a real machine's does (torch's
+        elastic agent tells the workers of other machines to reach rank 0 by its host name)."""
         env = [f"GLOO_SOCKET_IFNAME={self.interfaces[host]}"] if gloo_interface else []
-        return ["ip", "netns", "exec", self.names[host], "env", *env]
+        named = ["unshare", "--uts", "sh", "-c", f'hostname {self.hostnames[host]} && exec "$@"', "sh"] if hostname else []
+        return ["ip", "netns", "exec", self.names[host], *named, "env", *env]
 
     def control(self, host: int, url: str, path: str, body: dict | None = None, timeout: float = 60):
         """A stand-in's test-control route, asked from ``host`` (the test's own namespace cannot reach it)."""

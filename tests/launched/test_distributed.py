@@ -8,6 +8,7 @@ normaliser is off by a factor of 2)."""
 import json
 import os
 import re
+import shlex
 import sys
 
 import pytest
@@ -202,7 +203,7 @@ def test_slurm_script_runs_two_machines_of_one_process(single, model_dir, tmp_pa
 
 
 def _slurm_run(hosts, bin_dir, tmp_path, single, model):
-    node = [" ".join(hosts.prefix(i)) for i in (0, 1)]
+    node = [shlex.join(hosts.prefix(i, hostname=True)) for i in (0, 1)]  # host names: the c10d rendezvous (MAX_RESTARTS)
     (bin_dir / "scontrol").write_text(f"#!/usr/bin/env bash\necho {hosts.addresses[0]}\necho {hosts.addresses[1]}\n")
     (bin_dir / "srun").write_text(
         "#!/usr/bin/env bash\n"  # drop srun's own options, run the command once per node (namespace) in parallel

@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -230,3 +231,46 @@ def test_rotation_deletes_a_checkpoint_with_its_portable_form(tmp_path, source):
     assert (run / "checkpoints" / "step_00000002.portable").is_dir()
     folder.rotate(CheckpointRotation(keep_last=1), current=4)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000004"]
+
+
+def test_a_job_whose_machine_dies_comes_back_by_itself(tmp_path):
+    """Two "machines" (network namespaces with host names of their own), 2 processes each, under
+    ``MAX_RESTARTS=2 launch/multinode.sh``: SIGKILL machine 1's launcher and its ranks (a lost node) right after
+    the first checkpoint. Without a person: machine 0's launcher ends, both are started again, meet again and
+    resume from the newest checkpoint; the run ends with the frames it asked for, each batch logged once."""
+    import psutil
+
+    from grpo_accel.reporting.event_files import read_scalars
+    from launching import free_port, sigkill_tree
+    from netns import two_hosts
+
+    out, batches = tmp_path / "run", 30
+    env = {**os.environ, "NUM_MACHINES": "2", "PROCS_PER_MACHINE": "2", "MAX_RESTARTS": "2", "RESTART_DELAY": "2",
+           "MAIN_PORT": str(free_port()), "PYTHON": sys.executable, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    args = [f"output_dir={out}", "trainer.progress_bar=false", "trainer.micro_batch_completions=32",
+            f"trainer.total_frames={batches * BATCH}", f"checkpoint.interval_frames={2 * BATCH}"]
+    with two_hosts() as hosts:
+        logs = [open(tmp_path / f"machine{i}.log", "w+") for i in (0, 1)]
+        machines = [subprocess.Popen([*hosts.prefix(i, hostname=True), f"MAIN_ADDR={hosts.addresses[0]}",
+                                      f"MACHINE_RANK={i}", "bash", str(ROOT / "launch" / "multinode.sh"), *args],
+                                     env=env, stdout=logs[i], stderr=subprocess.STDOUT, cwd=ROOT,
+                                     start_new_session=True) for i in (0, 1)]
+        try:
+            deadline = time.monotonic() + 240
+            while not (out / "checkpoints" / "step_00000002").is_dir() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            launcher = next(p for p in psutil.Process(machines[1].pid).children(recursive=True)
+                            if p.status() != psutil.STATUS_ZOMBIE and "accelerate.commands.launch" in " ".join(p.cmdline()))
+            sigkill_tree(launcher.pid)
+            codes = [m.wait(timeout=400) for m in machines]
+        finally:
+            for m in machines:
+                sigkill_tree(m.pid)
+        said = [log.seek(0) or log.read() for log in logs]
+    assert codes == [0, 0], said[0][-4000:] + said[1][-4000:]
+    assert "the launcher on machine 1 ended; starting it again" in said[1]
+    assert "the launcher on machine 0 ended; starting it again" in said[0]  # its ranks lost their peers
+    assert "resumed from" in said[0] and "done: 3840 frames (completions) in 30 batches" in said[0]
+    steps = [s for s, _ in read_scalars(out / "tensorboard")["train/frames"]]
+    assert steps == list(range(1, batches + 1))  # every batch once: the ones after the checkpoint logged again
+    assert json.loads((out / "summary.json").read_text())["final_iteration"] == batches
