@@ -51,31 +51,6 @@ def batch_layout(cfg: GRPOConfig, num_processes: int) -> tuple[BatchLayout, int]
     return layout, micro_batch
 
 
-def keep_the_batch(cfg: GRPOConfig, saved: dict, layout: BatchLayout, micro_batch: int) -> tuple[BatchLayout, int]:
-    """A checkpoint of another process count (``saved``: its metadata) trains on with its batch: the micro-batch
-    and the accumulation are recomputed to keep its completions per optimizer step (said in a line, and set in
-    ``cfg``); a ConfigError names the settings and the counts that work when none keep it."""
-    from grpo_accel.layout import resized_split
-
-    t, old = cfg.trainer, saved["user"]["config"]["trainer"]
-    if saved["num_processes"] == layout.processes:
-        return layout, micro_batch
-    before = BatchLayout(layout.prompts, layout.group_size, saved["num_processes"], LAYOUT_NAMES)
-    ga = old["gradient_accumulation_steps"]
-    micro = before.auto_micro_batch(ga) if old["micro_batch_completions"] == "auto" else old["micro_batch_completions"]
-    try:
-        new_micro, new_ga = resized_split(before, micro, ga, layout, t.num_epochs, t.optim_steps_per_batch)
-    except ValueError as exc:
-        raise ConfigError(f"checkpoint saved by {before.processes} processes: {exc}") from None
-    if (new_micro, new_ga) != (micro_batch, t.gradient_accumulation_steps):
-        log.info("the batch as saved: %d completions per optimizer step (%d processes x %d x %d accumulation) -> "
-                 "%d processes x %d x %d: trainer.micro_batch_completions=%d, trainer.gradient_accumulation_steps=%d",
-                 micro * ga * before.processes, before.processes, micro, ga, layout.processes, new_micro, new_ga,
-                 new_micro, new_ga)
-        t.micro_batch_completions, t.gradient_accumulation_steps = new_micro, new_ga
-    return layout, new_micro
-
-
 def build_trainer(cfg: GRPOConfig):
     """The trainer of ``cfg`` with its parts, hooks and checkpoint folder; call ``train()`` on it."""
     import torch
@@ -84,7 +59,7 @@ def build_trainer(cfg: GRPOConfig):
     from grpo_accel.distributed.deepspeed_files import preflight
     from grpo_accel.distributed import launch_world_size, make_accelerator
     from grpo_accel.recipe.parts import build_environment, build_policy, build_rewards, build_rows, build_tokenizer
-    from grpo_accel.recipe.run_folder import data_fingerprints, start_point
+    from grpo_accel.recipe.run_folder import data_fingerprints, keep_the_batch, start_point
     from grpo_accel.recipe.secrets import record
     from grpo_accel.trainer import GRPOTrainer
 
@@ -105,7 +80,7 @@ def build_trainer(cfg: GRPOConfig):
     fit_unset_budget(cfg, tokenizer, rows)  # before the settings are compared with a checkpoint's
     resume = start_point(cfg, checkpoint, fingerprints, first_process())
     if resume is not None:
-        layout, micro_batch = keep_the_batch(cfg, checkpoint.read_metadata(resume), layout, micro_batch)
+        micro_batch = keep_the_batch(cfg, checkpoint.read_metadata(resume), layout, micro_batch)
     rewards = build_rewards(cfg.rewards, r.max_new_tokens, cfg.model)  # a bad reward module, environment or model
     environment = build_environment(r, cfg.data)  # folder: refused before any process group starts
     accelerator = make_accelerator(t.gradient_accumulation_steps, t.mixed_precision)

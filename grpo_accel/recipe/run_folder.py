@@ -73,6 +73,32 @@ def start_point(cfg, checkpoint, fingerprints: dict[str, str], first_process: bo
     return None
 
 
+def keep_the_batch(cfg, saved: dict, layout, micro_batch: int) -> int:
+    """The micro-batch of a run resuming a checkpoint of another process count (``saved``: its metadata) on
+    ``layout``: it and the accumulation are recomputed to keep the saved completions per optimizer step and
+    optimizer steps per batch (said in a line, and set in ``cfg``); a ConfigError names the settings and the counts
+    that work when none keep them."""
+    from grpo_accel.layout import BatchLayout, resized_split
+
+    t, old = cfg.trainer, saved["user"]["config"]["trainer"]
+    if saved["num_processes"] == layout.processes:
+        return micro_batch
+    before = BatchLayout(layout.prompts, layout.group_size, saved["num_processes"], layout.names)
+    ga = old["gradient_accumulation_steps"]
+    micro = before.auto_micro_batch(ga) if old["micro_batch_completions"] == "auto" else old["micro_batch_completions"]
+    try:
+        new_micro, new_ga = resized_split(before, micro, ga, layout, t.num_epochs, t.optim_steps_per_batch)
+    except ValueError as exc:
+        raise ConfigError(f"checkpoint saved by {before.processes} processes: {exc}") from None
+    if (new_micro, new_ga) != (micro_batch, t.gradient_accumulation_steps):
+        logger.info("the batch as saved: %d completions per optimizer step (%d processes x %d x %d accumulation) -> "
+                 "%d processes x %d x %d: trainer.micro_batch_completions=%d, trainer.gradient_accumulation_steps=%d",
+                 micro * ga * before.processes, before.processes, micro, ga, layout.processes, new_micro, new_ga,
+                 new_micro, new_ga)
+        t.micro_batch_completions, t.gradient_accumulation_steps = new_micro, new_ga
+    return new_micro
+
+
 def data_fingerprints(data) -> dict[str, str]:
     """For ``data.path`` / ``data.eval_path`` naming local files: ``"data.path=P"`` -> a fingerprint of what they
     hold (per file, sorted: its name, its size and a SHA-256 of its first and last MiB), which a resume compares."""

@@ -74,6 +74,9 @@ class RunCheckpointer:
         final = self.checkpoint.directory / step_dir_name(step)
         if acc.is_main_process:
             extra = self.metadata() if self.metadata is not None else {}
+            layout = run_layout(acc)  # what a resume compares with its own (grpo_accel.trainer.portable)
+            info = {**info, "num_processes": layout.processes, "zero_stage": layout.zero_stage,
+                    "deepspeed": layout.deepspeed}
             final = self.checkpoint.finalize(step, {**info, "step": step, "user": extra})
             deleted = self.checkpoint.rotate(self.rotation, current=step) if self.rotation is not None else []
             size = sum(file_manifest(final).values())

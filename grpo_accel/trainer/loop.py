@@ -27,7 +27,7 @@ from tensordict import TensorDict, TensorDictBase
 from grpo_accel import batch
 from grpo_accel.checkpoint import Checkpoint, module_signature
 from grpo_accel.contracts import Collector, LossModule, OptimizationStepper, as_logger, as_weight_sender
-from grpo_accel.distributed import any_process, configure_deepspeed_for, uses_deepspeed, zero_stage
+from grpo_accel.distributed import any_process, configure_deepspeed_for
 from grpo_accel.reporting.reporter import Reporter, ReportSettings
 from grpo_accel.runtime import stop_on_signals
 from grpo_accel.trainer.args import accelerator_for, check_arguments, replay_buffer_for
@@ -51,8 +51,8 @@ class GRPOTrainer:
     epoch). Beyond the spec: ``accelerator`` (use this one instead of creating one), ``max_staleness`` (async
     mode: batches generated with weights more than this many pushes old are dropped; None keeps all) and
     ``log_samples`` (completions logged as text per log), ``log_first`` (log the first iteration whatever
-    ``log_interval`` says; false: the first log comes after ``log_interval`` frames) and ``lr_scheduler`` (a torch LR scheduler over
-    ``optimizer``, stepped once per optimizer step and saved with the checkpoints).
+    ``log_interval`` says; false: the first log comes after ``log_interval`` frames) and ``lr_scheduler`` (a
+    torch LR scheduler over ``optimizer``, stepped once per optimizer step and saved with the checkpoints).
 
     Example:
         >>> trainer = GRPOTrainer(collector=collector, total_frames=12_800, loss_module=GRPOLoss(model),
@@ -205,9 +205,7 @@ class GRPOTrainer:
 
     def save_checkpoint(self, reason: str = "requested") -> Path | None:
         """Save now (collective): the checkpoint folder, and ``save_trainer_file`` if set."""
-        info = {"reason": reason, "frames": self.frames, "optim_steps": self.optim_steps,
-                "num_processes": self.accelerator.num_processes, "zero_stage": zero_stage(self.accelerator),
-                "deepspeed": uses_deepspeed(self.accelerator),
+        info = {"reason": reason, "frames": self.frames, "optim_steps": self.optim_steps,  # and the checkpointer's layout
                 "signature": module_signature(self.unwrapped_loss), "metrics": self.history[-1] if self.history else {}}
         with self.reporter.timed("checkpoint"):
             final = self._files.save(self.iterations, self.state_dict(), info, self.loss_module,

@@ -15,10 +15,12 @@ and Adam moments, whole, one folder per parameter, in DeepSpeed's universal-chec
         portable.json                         from which layout, when, how many bytes, how long it took
         COMPLETE                              written last: a folder without it is never loaded
 
-DeepSpeed's own ``ds_to_universal`` converts a ZeRO-1/2/3 checkpoint (its shards merged one parameter at a time:
-no process holds more than one rank's optimizer shard and one parameter); the files of a run without DeepSpeed
-(or under ZeRO-0, where nothing is sharded) are split by parameter here. DeepSpeed's universal loader reads the
-form into a ZeRO-1/2/3 run (each rank takes its own slice); a run without DeepSpeed loads it whole.
+DeepSpeed's own ``ds_to_universal`` converts the shards of ZeRO-1/2/3 (and of ZeRO-0's bf16 optimizer), merged
+one parameter at a time: no process holds more than one rank's optimizer shard and one parameter. The whole files
+of a run without DeepSpeed, or of ZeRO-0 in fp32, are split by parameter here. DeepSpeed's universal loader reads
+the form into a ZeRO-1/2/3 run (each rank takes its own slice), or one with its bf16 optimizer; a run whose
+parameters are whole loads it whole. Only trainable parameters are in it: frozen ones (a LoRA base, the KL
+reference) come from the model the resumed run builds, as in every checkpoint.
 
 The form is made once per checkpoint, beside it (``.tmp-`` first, renamed when complete), and reused by every
 later resume; the checkpoint itself is never modified.
@@ -58,10 +60,6 @@ class Layout:
         who = f"{self.processes} process{'es' if self.processes > 1 else ''}"
         return f"{who} under ZeRO-{self.zero_stage}" if self.deepspeed else f"{who} without DeepSpeed"
 
-    def sharded(self) -> bool:
-        """The optimizer state is split over the processes (ZeRO-1/2/3)."""
-        return self.deepspeed and self.zero_stage > 0
-
 
 def saved_layout(folder: Path, metadata: dict) -> Layout:
     """The layout ``folder`` was written in (its metadata; DeepSpeed's by its checkpoint folder)."""
@@ -70,12 +68,10 @@ def saved_layout(folder: Path, metadata: dict) -> Layout:
 
 
 def same_files(saved: Layout, run: Layout) -> bool:
-    """Whether ``accelerator.load_state`` reads what ``saved`` wrote: the same layout, or two layouts whose files
-    are whole (without DeepSpeed, or ZeRO-0) and alike, whatever the process count."""
-    if saved == run:
-        return True
-    return saved.deepspeed == run.deepspeed and not saved.sharded() and not run.sharded() and \
-        saved.zero_stage == run.zero_stage
+    """Whether ``accelerator.load_state`` reads what ``saved`` wrote: the same layout, or accelerate's own whole
+    files (without DeepSpeed) under any process count. DeepSpeed's ZeRO-0 files are whole too, except its bf16
+    optimizer's, which shards like ZeRO-1: another process count goes through the portable form."""
+    return saved == run or not (saved.deepspeed or run.deepspeed)
 
 
 def staging_dir(checkpoint: Path) -> Path:
@@ -109,7 +105,7 @@ def convert(checkpoint: Path, layout: Layout, shapes: dict[str, tuple[int, ...]]
         shutil.rmtree(stale, ignore_errors=True)
     try:
         staging.mkdir(parents=True)
-        if layout.sharded():
+        if layout.deepspeed and list((Path(checkpoint) / DS_TAG).glob("*optim_states.pt")):  # ZeRO-1/2/3, bf16
             _from_deepspeed_shards(Path(checkpoint) / DS_TAG, staging, shapes)
         else:
             _from_whole_files(Path(checkpoint), layout, staging, shapes)

@@ -249,3 +249,16 @@ def test_the_memory_table_measures_each_phase_of_each_stage(model_folder, monkey
         assert all(0 < r["load"] <= r["steady"] and r["push"] > 0 for r in ranks), ranks
     assert all(0 < r["push_reported"] <= 3 * bucket_mb * 1e6 for r in results["zero3"]), results["zero3"]
     assert "| `zero3.yaml` | 1 |" in capsys.readouterr().out
+
+
+def test_the_conversion_table_measures_each_resumed_process(model_folder, monkeypatch, capsys):
+    """launch/bench/convert.py, small: the tiny Llama saved by 2 processes under ZeRO-3 and resumed by 1; the main
+    process converts (its seconds and the portable form's bytes), every process reports its memory."""
+    monkeypatch.syspath_prepend(str(ROOT / "launch" / "bench"))
+    from convert import main
+
+    results = main(["--model", str(model_folder), "--cases", "zero3:2:1"])
+    [line] = results["zero3:2:1"]
+    assert line["rank"] == 0 and 0 < line["built"] <= line["load_peak"] and line["convert_s"] > 0
+    assert 3 * 4 * 84544 <= line["portable_bytes"] < 2e6  # fp32 weights and two moments of 84,544 parameters
+    assert "| zero3, 2 -> 1 processes | 0 |" in capsys.readouterr().out
