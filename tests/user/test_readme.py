@@ -36,6 +36,8 @@ ELSEWHERE = {  # how a command starts -> why it does not run in this suite, and 
     "bash launch/bench/gpu_check.sh": "needs a GPU; tests/launched/test_bench.py checks that it refuses without one",
     "PYTHONPATH=. .venv/bin/python launch/bench/memory.py": "5 launches of 4 processes at 135M (about 12 minutes); "
         "tests/launched/test_bench.py runs it small, tests/launched/test_zero3_load.py holds ZeRO-3 to its goal",
+    "PYTHONPATH=. .venv/bin/python launch/bench/convert.py": "a training run and a resume of 4 and of 2 processes at "
+        "135M (about 4 minutes); tests/launched/test_bench.py runs it small",
     ".venv/bin/python -m pytest -q tests/": "a test of the suite, which runs it",
     ".venv/bin/grpo-accel models smollm2-135m": "downloads 93 MB; tests/conftest.py's smollm2 fixture "
         "runs the same conversion once per machine",
