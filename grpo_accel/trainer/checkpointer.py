@@ -117,6 +117,8 @@ class RunCheckpointer:
         try:
             if same_files(saved, run):
                 acc.load_state(str(path), **_load_kwargs(acc))
+                if acc.process_index >= saved.processes:  # a process the saved run did not have
+                    self._load_rng(path, saved)
                 how = ""
             else:
                 how = self._load_converted(path, saved, module, optimizer)
@@ -130,6 +132,9 @@ class RunCheckpointer:
         state, notes = (states[acc.process_index] if acc.process_index < len(states) else None), []
         if states and saved.processes != run.processes:
             state, notes = rank_state_for(states, acc.process_index, run.processes, pad_id)
+        if run.processes > saved.processes:
+            notes.insert(0, f"processes {saved.processes}-{run.processes - 1} take rank 0's random streams (sampling "
+                            "is keyed by prompt group: the completions do not change)")
         if saved != run and acc.is_main_process:
             logger.info("checkpoint %s: saved by %s, resumed by %s%s%s", path.name, saved.describe(), run.describe(),
                         how, "".join(f"; {note}" for note in notes))
@@ -139,6 +144,8 @@ class RunCheckpointer:
     def _load_converted(self, path: Path, saved, module, optimizer) -> str:
         """Load ``path`` (saved in layout ``saved``) through its portable form, made once by the main process;
         returns what happened, in words, for the start line."""
+        from accelerate.checkpointing import load_custom_state
+
         acc = self.accelerator
         unwrapped = acc.unwrap_model(module)
         shapes = {name: full_shape(p) for name, p in unwrapped.named_parameters() if p.requires_grad}
@@ -156,15 +163,13 @@ class RunCheckpointer:
             load_into_deepspeed(module, portable)
         else:
             load_whole(unwrapped, getattr(optimizer, "optimizer", optimizer), portable)
-        if uses_deepspeed(acc):
-            module.global_steps = module.global_samples = 0  # DeepSpeed's own counters (logging only) restart
-        self._load_rest(path, saved)
+        for index, obj in enumerate(acc._custom_objects):  # registered for checkpointing: the rate's schedule
+            load_custom_state(obj, str(path), index)
+        self._load_rng(path, saved)
         size = folder_bytes(portable) / 1e6
         what = (f"converted to its portable form {portable.name} ({size:.1f} MB) in {seconds:.2f} s" if made else
                 f"through its portable form {portable.name} ({size:.1f} MB), made by an earlier resume")
-        rng = "" if saved.processes == acc.num_processes else \
-            "; each process's random streams start from rank 0's (sampling is keyed by group: completions unchanged)"
-        return f": {what}{rng}"
+        return f": {what}"
 
     def _conversion_failed(self, path: Path, saved, exc: Exception | None, shapes: dict) -> CheckpointError:
         """The one line for a conversion that failed (on the main process; ``exc`` there, None elsewhere)."""
@@ -182,18 +187,14 @@ class RunCheckpointer:
         return CheckpointError(f"checkpoint {path} (saved by {saved.describe()}) could not be converted for {run} "
                                f"({why}); nothing was written beside it and the checkpoint is as it was: {fix}.")
 
-    def _load_rest(self, path: Path, saved) -> None:
-        """What ``load_state`` restores besides the model and optimizer: the objects registered for
-        checkpointing (the learning-rate schedule), the accumulation step and the RNG (this rank's where the
-        process count is the saved one, else rank 0's)."""
-        from accelerate.checkpointing import load_accelerator_state, load_custom_state
+    def _load_rng(self, path: Path, saved) -> None:
+        """The random streams and the accumulation step ``load_state`` restores: this rank's, or rank 0's for a
+        process the saved run did not have."""
+        from accelerate.checkpointing import load_accelerator_state
 
         acc = self.accelerator
-        for index, obj in enumerate(acc._custom_objects):
-            load_custom_state(obj, str(path), index)
-        rank = acc.process_index if saved.processes == acc.num_processes else 0
-        restored = load_accelerator_state(str(path), [], [], [], [], rank)
-        acc.step = restored.get("step", acc.step)
+        rank = acc.process_index if acc.process_index < saved.processes else 0
+        acc.step = load_accelerator_state(str(path), [], [], [], [], rank).get("step", acc.step)
 
 
 def run_layout(acc) -> Layout:
