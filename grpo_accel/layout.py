@@ -143,7 +143,8 @@ def _split_keeping(saved: BatchLayout, micro_batch: int, accumulation: int, layo
     for micro, ga in ((micro_batch, share // micro_batch), (share // accumulation, accumulation), (share, 1)):
         if micro < 1 or ga < 1 or micro * ga != share:
             continue
-        if layout.micro_batches(micro, sampled) % ga == 0 and layout.optimizer_steps(micro, ga, epochs, sampled) == steps:
+        if layout.micro_batches(micro, sampled) % ga == 0 and \
+                layout.optimizer_steps(micro, ga, epochs, sampled) == steps:
             return micro, ga
     return None
 

@@ -17,11 +17,13 @@ class BackgroundCollector:
     batch is generated during the optimisation of the previous one: it is one weight version old when used.
     An exception in the thread is re-raised, as it was, in the consumer. The collector's engine must not share
     weights that the trainer is updating (give it a copy updated by a weight-sync sender, as with an inference
-    server).
+    server). ``position`` is the collector's state after the last batch handed out: what a checkpoint records (the
+    collector itself is already drawing the next batch), so a resume collects the batch in flight again.
     """
 
     def __init__(self, collector, prefetch: int = 1) -> None:
         self.collector = collector
+        self.position: dict | None = None  # collector.state_dict() after the batch last handed out
         self._queue: queue.Queue = queue.Queue()
         self._slots = threading.Semaphore(prefetch)
         self._stop = threading.Event()
@@ -34,7 +36,8 @@ class BackgroundCollector:
                 self._slots.acquire()
                 if self._stop.is_set():
                     return
-                self._queue.put(self.collector.collect())
+                batch = self.collector.collect()
+                self._queue.put((batch, self.collector.state_dict()))
         except BaseException as exc:  # handed to the consumer
             self._queue.put(exc)
         finally:
@@ -47,8 +50,9 @@ class BackgroundCollector:
                 return
             if isinstance(item, BaseException):  # as raised in the thread: a user error stays one line
                 raise item
+            batch, self.position = item
             self._slots.release()  # the next batch may start now
-            yield item
+            yield batch
 
     def close(self) -> None:
         """Stop after the batch in progress (if any) and wait for the thread."""

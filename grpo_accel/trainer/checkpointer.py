@@ -109,7 +109,7 @@ class RunCheckpointer:
         """Verify ``path`` against this run, load its weights, optimizer, schedule and RNG, return this rank's
         trainer state. Saved in this run's layout: ``accelerator.load_state``, bitwise. Saved by another process
         count or ZeRO stage: through the checkpoint's portable form (``module``: the prepared model, ``optimizer``:
-        the prepared optimizer; ``pad_id`` pads replay-buffer rows dealt out again)."""
+        the prepared optimizer, accelerate's wrapper; ``pad_id`` pads replay-buffer rows dealt out again)."""
         start = time.perf_counter()
         acc = self.accelerator
         metadata = Checkpoint.verify(path, signature=signature)
@@ -162,7 +162,7 @@ class RunCheckpointer:
         if uses_deepspeed(acc) and (zero_stage(acc) > 0 or module.bfloat16_enabled()):
             load_into_deepspeed(module, portable)
         else:
-            load_whole(unwrapped, getattr(optimizer, "optimizer", optimizer), portable)
+            load_whole(unwrapped, optimizer.optimizer, portable)  # accelerate's wrapper: the torch optimizer
         for index, obj in enumerate(acc._custom_objects):  # registered for checkpointing: the rate's schedule
             load_custom_state(obj, str(path), index)
         self._load_rng(path, saved)
@@ -179,7 +179,8 @@ class RunCheckpointer:
             why, fix = "the main process could not write it", f"resume with the saved layout ({saved.describe()})"
         elif _no_space(exc):
             free = shutil.disk_usage(path.parent).free
-            why = f"no space left on {path.parent}: {free / 1e6:.1f} MB free, the form needs about {needed / 1e6:.1f} MB"
+            why = (f"no space left on {path.parent}: {free / 1e6:.1f} MB free, the form needs about "
+                   f"{needed / 1e6:.1f} MB")
             fix = f"make room, or resume with the saved layout ({saved.describe()})"
         else:
             why = str(exc) if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: {exc}"

@@ -112,7 +112,7 @@ class GRPOTrainer:
         self._files = TrainerFiles(acc, checkpoint, checkpoint_rotation, checkpoint_metadata, save_trainer_file)
         self.frames = self.optim_steps = self.iterations = self.weight_version = self.dropped_batches = 0
         self.stop_reason: str | None = None  # why training stopped early (a signal, request_stop, another process)
-        self._saved_at, self._staleness = -1, 0.0
+        self._saved_at, self._staleness, self._background = -1, 0.0, None
         self.hooks = Hooks()  # the users' stages; the loop's own steps are called in _iteration
 
     # ------------------------------------------------------------------------------------------ public API
@@ -147,7 +147,8 @@ class GRPOTrainer:
             sender.push(self.weight_version)
         self.hooks.run("pre_train", self)
         self.reporter.start_progress(self.total_frames, self.frames)
-        source = BackgroundCollector(self.collector) if self.async_collection else self.collector
+        self._background = BackgroundCollector(self.collector) if self.async_collection else None
+        source = self._background or self.collector
         try:
             with stop_on_signals(self.request_stop):
                 for rollout in source:
@@ -160,8 +161,8 @@ class GRPOTrainer:
                     self.save_checkpoint(self.stop_reason or "end of training")
             self.hooks.run("post_train", self)
         finally:
-            if source is not self.collector:
-                source.close()
+            if self._background is not None:
+                self._background.close()
             self.reporter.close()
 
     def compute_loss(self, sub_batch: TensorDictBase, method: str | None = None, **kwargs) -> TensorDictBase | Any:
@@ -190,9 +191,11 @@ class GRPOTrainer:
         return self
 
     def state_dict(self) -> dict:
-        """This process's trainer state: counters, replay buffer, collector position, stepper (scaler)."""
+        """This process's trainer state: counters, replay buffer, collector position (async: after the batches
+        trained on, so the batch being drawn is collected again at a resume), stepper (scaler)."""
+        position = self._background and self._background.position  # None before a batch is handed out
         return {**{name: getattr(self, name) for name in COUNTERS}, "last_log_frames": float(self.reporter.last_log_frames),
-                "collector": self.collector.state_dict(), "replay_buffer": self.replay_buffer.state_dict(),
+                "collector": position or self.collector.state_dict(), "replay_buffer": self.replay_buffer.state_dict(),
                 "stepper": self.stepper.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -205,7 +208,7 @@ class GRPOTrainer:
 
     def save_checkpoint(self, reason: str = "requested") -> Path | None:
         """Save now (collective): the checkpoint folder, and ``save_trainer_file`` if set."""
-        info = {"reason": reason, "frames": self.frames, "optim_steps": self.optim_steps,  # and the checkpointer's layout
+        info = {"reason": reason, "frames": self.frames, "optim_steps": self.optim_steps,  # + the saving layout
                 "signature": module_signature(self.unwrapped_loss), "metrics": self.history[-1] if self.history else {}}
         with self.reporter.timed("checkpoint"):
             final = self._files.save(self.iterations, self.state_dict(), info, self.loss_module,
@@ -337,7 +340,8 @@ class GRPOTrainer:
             logger.info("learning rate: the checkpoint's peak %g -> %g, this run's, from its first step", saved, given)
         self._saved_at = self.iterations
         self.reporter.resume_at(self.iterations)
-        logger.info("resumed from %s at iteration %d (%d frames)", path, self.iterations, self.frames)
+        logger.info("resumed from %s at iteration %d (%d frames)%s", path, self.iterations, self.frames,
+                    "; the batch being collected at the save is collected again" if self.async_collection else "")
 
     def _should_stop(self) -> bool:
         """Every process takes the same decision: one all-reduce of the stop flags per iteration."""

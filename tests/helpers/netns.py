@@ -57,8 +57,8 @@ class Hosts:
         ``hostname``: under a host name of its own that resolves to its address, as a real machine's does (torch's
         elastic agent tells the workers of other machines to reach rank 0 by its host name)."""
         env = [f"GLOO_SOCKET_IFNAME={self.interfaces[host]}"] if gloo_interface else []
-        named = ["unshare", "--uts", "sh", "-c", f'hostname {self.hostnames[host]} && exec "$@"', "sh"] if hostname else []
-        return ["ip", "netns", "exec", self.names[host], *named, "env", *env]
+        named = ["unshare", "--uts", "sh", "-c", f'hostname {self.hostnames[host]} && exec "$@"', "sh"]
+        return ["ip", "netns", "exec", self.names[host], *(named if hostname else []), "env", *env]
 
     def control(self, host: int, url: str, path: str, body: dict | None = None, timeout: float = 60):
         """A stand-in's test-control route, asked from ``host`` (the test's own namespace cannot reach it)."""

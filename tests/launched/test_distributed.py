@@ -203,7 +203,7 @@ def test_slurm_script_runs_two_machines_of_one_process(single, model_dir, tmp_pa
 
 
 def _slurm_run(hosts, bin_dir, tmp_path, single, model):
-    node = [shlex.join(hosts.prefix(i, hostname=True)) for i in (0, 1)]  # host names: the c10d rendezvous (MAX_RESTARTS)
+    node = [shlex.join(hosts.prefix(i, hostname=True)) for i in (0, 1)]  # c10d finds rank 0 by host name
     (bin_dir / "scontrol").write_text(f"#!/usr/bin/env bash\necho {hosts.addresses[0]}\necho {hosts.addresses[1]}\n")
     (bin_dir / "srun").write_text(
         "#!/usr/bin/env bash\n"  # drop srun's own options, run the command once per node (namespace) in parallel

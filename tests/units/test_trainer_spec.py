@@ -317,3 +317,18 @@ def test_a_loss_dividing_by_another_completion_budget_is_refused_where_the_train
         GRPOTrainer(collector=collector, total_frames=4, loss_module=loss(256),
                     optimizer=torch.optim.AdamW(model.parameters()))
     GRPOTrainer(collector=collector, total_frames=4, loss_module=loss(2), optimizer=torch.optim.AdamW(model.parameters()))
+
+
+def test_an_async_checkpoint_holds_the_data_position_of_the_batches_trained_on(tokenizer, tmp_path):
+    """The batch the thread is collecting while a checkpoint is saved was not trained on: the saved data position
+    is the one after the batches consumed, so a resume collects that batch again (the same prompts, the same
+    group numbers), none skipped, none counted twice."""
+    from grpo_accel.checkpoint import Checkpoint, rank_state_file
+
+    trainer, _, _ = _async_trainer(tokenizer, max_staleness=None, save_trainer_interval=16,
+                                   checkpoint=Checkpoint(tmp_path / "ckpt"))
+    rows = len(trainer.collector.rows)
+    trainer.train()
+    for step in range(1, 7):
+        saved = torch.load(rank_state_file(tmp_path / "ckpt" / f"step_{step:08d}", 0), weights_only=True)["collector"]
+        assert saved["batches"] == step and saved["epoch"] * rows + saved["position"] == 4 * step, (step, saved)
