@@ -70,6 +70,14 @@ def file_manifest(folder: Path) -> dict[str, int]:
     return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+def write_marker(folder: Path) -> None:
+    """``folder``'s COMPLETE marker, on disk (fsync) before the rename that publishes the folder."""
+    with open(Path(folder) / MARKER, "w") as f:
+        f.write("ok\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def save_trainer_payload(path: Path, weights: dict, trainer_state: dict) -> None:
     """The single-file format (the spec's ``save_trainer_file``), written atomically."""
     import torch
@@ -213,10 +221,7 @@ class Checkpoint:
         staging, final = self.staging_dir(step), self.directory / step_dir_name(step)
         metadata = {**metadata, "manifest": file_manifest(staging)}
         (staging / METADATA).write_text(json.dumps(metadata, indent=2))
-        with open(staging / MARKER, "w") as f:
-            f.write("ok\n")
-            f.flush()
-            os.fsync(f.fileno())
+        write_marker(staging)
         for old in (final, converted(final)):  # a previous run's folder for the same step (a resume from an older one)
             if old.exists():
                 shutil.rmtree(old)

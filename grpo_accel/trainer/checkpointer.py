@@ -16,8 +16,8 @@ import torch
 from grpo_accel.checkpoint import (Checkpoint, CheckpointError, CheckpointRotation, file_manifest, load_trainer_payload,
                                    rank_state_file, save_trainer_payload, step_dir_name)
 from grpo_accel.distributed import any_process, full_shape, uses_deepspeed, zero_stage
-from grpo_accel.trainer.portable import (Layout, convert, folder_bytes, is_complete, load_into_deepspeed, load_whole,
-                                         portable_dir, rank_state_for, same_files, saved_layout)
+from grpo_accel.trainer.portable import (Layout, convert, is_complete, load_into_deepspeed, load_whole, portable_dir,
+                                         rank_state_for, same_files, saved_layout)
 
 logger = logging.getLogger(__name__)
 
@@ -122,14 +122,14 @@ class RunCheckpointer:
                 how = ""
             else:
                 how = self._load_converted(path, saved, module, optimizer)
-            states = [torch.load(rank_state_file(path, r), weights_only=True) for r in range(saved.processes)
-                      if rank_state_file(path, r).is_file() or strict]
+            ranks = [acc.process_index] if saved.processes == run.processes else range(saved.processes)
+            states = [state for r in ranks if (state := _rank_state(path, r, strict)) is not None]
         except CheckpointError:
             raise
         except Exception as exc:
             raise CheckpointError(f"checkpoint {path} could not be loaded ({type(exc).__name__}: {exc}); resume "
                                   "from another checkpoint. Nothing in the run folder was changed.") from exc
-        state, notes = (states[acc.process_index] if acc.process_index < len(states) else None), []
+        state, notes = (states[0] if states else None), []  # this rank's, when the process count is the saved one
         if states and saved.processes != run.processes:
             state, notes = rank_state_for(states, acc.process_index, run.processes, pad_id)
         if run.processes > saved.processes:
@@ -166,7 +166,7 @@ class RunCheckpointer:
         for index, obj in enumerate(acc._custom_objects):  # registered for checkpointing: the rate's schedule
             load_custom_state(obj, str(path), index)
         self._load_rng(path, saved)
-        size = folder_bytes(portable) / 1e6
+        size = sum(file_manifest(portable).values()) / 1e6
         what = (f"converted to its portable form {portable.name} ({size:.1f} MB) in {seconds:.2f} s" if made else
                 f"through its portable form {portable.name} ({size:.1f} MB), made by an earlier resume")
         return f": {what}"
@@ -196,6 +196,12 @@ class RunCheckpointer:
         acc = self.accelerator
         rank = acc.process_index if acc.process_index < saved.processes else 0
         acc.step = load_accelerator_state(str(path), [], [], [], [], rank).get("step", acc.step)
+
+
+def _rank_state(path: Path, rank: int, strict: bool) -> dict | None:
+    """Rank ``rank``'s trainer state in checkpoint ``path`` (None when absent and not ``strict``)."""
+    file = rank_state_file(path, rank)
+    return torch.load(file, weights_only=True) if file.is_file() or strict else None
 
 
 def run_layout(acc) -> Layout:

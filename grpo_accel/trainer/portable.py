@@ -39,11 +39,11 @@ from pathlib import Path
 
 import torch
 
+from grpo_accel.checkpoint import MARKER, file_manifest, write_marker
 from grpo_accel.checkpoint import converted as portable_dir
 
 logger = logging.getLogger(__name__)
 
-MARKER = "COMPLETE"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 DS_TAG = "pytorch_model"  # the folder accelerate's save_state gives DeepSpeed's checkpoint of the one prepared model
 
@@ -84,10 +84,6 @@ def is_complete(folder: Path) -> bool:
     return (Path(folder) / MARKER).is_file()
 
 
-def folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
-
-
 # -- converting -----------------------------------------------------------------------------------------------
 
 
@@ -111,12 +107,9 @@ def convert(checkpoint: Path, layout: Layout, shapes: dict[str, tuple[int, ...]]
             _from_whole_files(Path(checkpoint), layout, staging, shapes)
         check_complete(staging, shapes)
         info = {"from": layout.describe(), "seconds": round(time.perf_counter() - start, 3),
-                "bytes": folder_bytes(staging), "parameters": len(shapes)}
+                "bytes": sum(file_manifest(staging).values()), "parameters": len(shapes)}
         (staging / "portable.json").write_text(json.dumps(info, indent=2))
-        with open(staging / MARKER, "w") as f:
-            f.write("ok\n")
-            f.flush()
-            os.fsync(f.fileno())
+        write_marker(staging)
         os.replace(staging, final)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -142,7 +135,7 @@ def _from_deepspeed_shards(ds_folder: Path, out: Path, shapes: dict[str, tuple[i
         raise RuntimeError(f"DeepSpeed's ds_to_universal failed ({type(exc).__name__}: {exc})") from exc
     converted = out / "universal" / "zero"
     common = torch.load(converted / "optimizer_state.pt", weights_only=False)
-    nested = common.get("optimizer_state_dict", {})  # ZeRO-3 keeps the base optimizer's state dict here
+    nested = common.get("optimizer_state_dict", {})  # ZeRO-3 keeps its step here, ZeRO-1/2 a step.pt per parameter
     step = nested["state"][0]["step"] if nested.get("state") else None
     groups = [{k: v for k, v in g.items() if k != "params"} for g in common["param_groups"]]
     for name, shape in shapes.items():
@@ -156,10 +149,10 @@ def _from_deepspeed_shards(ds_folder: Path, out: Path, shapes: dict[str, tuple[i
                 tensor = value["param"] if isinstance(value, dict) else value
                 torch.save({"param": tensor.reshape(shape).float().clone()}, target / f"{key}.pt")
         if (source / "step.pt").is_file():
-            shutil.copyfile(source / "step.pt", target / "step.pt")
-        elif step is not None:
+            step = torch.load(source / "step.pt", weights_only=False)
+        if step is not None:
             torch.save(torch.as_tensor(step), target / "step.pt")
-    _write_common(out, groups, step if step is not None else _any_step(out, shapes), common.get("clip_grad", 0.0))
+    _write_common(out, groups, step, common.get("clip_grad", 0.0))
     shutil.rmtree(out / "universal")
 
 
@@ -202,13 +195,6 @@ def _accelerate_model_file(checkpoint: Path) -> dict:
 
         return load_file(checkpoint / "model.safetensors")
     return torch.load(checkpoint / "pytorch_model.bin", weights_only=True)
-
-
-def _any_step(out: Path, shapes: dict) -> torch.Tensor | None:
-    for name in shapes:
-        if (out / "zero" / name / "step.pt").is_file():
-            return torch.load(out / "zero" / name / "step.pt", weights_only=False)
-    return None
 
 
 def _write_common(out: Path, groups: list[dict], step, clip_grad: float) -> None:

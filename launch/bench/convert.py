@@ -38,7 +38,7 @@ def process_main(args) -> None:
     from grpo_accel.recipe.build import build_trainer
     from grpo_accel.recipe.loading import load_config
     from grpo_accel.runtime import configure_allocator, configure_threads, exit_skipping_teardown
-    from grpo_accel.trainer.portable import folder_bytes, portable_dir
+    from grpo_accel.checkpoint import converted, file_manifest
 
     configure_threads()
     configure_allocator(zero3=launched_zero_stage() == 3)
@@ -56,8 +56,8 @@ def process_main(args) -> None:
     acc = trainer.accelerator
     line = {"rank": acc.process_index, "built": peaks["build"], "load_peak": peaks["load"], "load_s": round(seconds, 2)}
     if acc.is_main_process:
-        made = json.loads((portable_dir(path) / "portable.json").read_text())
-        line.update(convert_s=made["seconds"], portable_bytes=folder_bytes(portable_dir(path)))
+        made = json.loads((converted(path) / "portable.json").read_text())
+        line.update(convert_s=made["seconds"], portable_bytes=sum(file_manifest(converted(path)).values()))
     say(line)
     acc.wait_for_everyone()
     exit_skipping_teardown(0)
