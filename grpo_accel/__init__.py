@@ -16,7 +16,7 @@ _EXPORTS = {
     "GRPOCollector": "grpo_accel.rollout.collector",
     "EmbeddedEngine": "grpo_accel.embedded.engine",
     "TensorBoardLogger": "grpo_accel.reporting.event_files",
-    "GRPOConfig": "grpo_accel.recipe.schema",
+    "GRPOConfig": "grpo_accel.config.schema",
     "BatchLayout": "grpo_accel.layout",
 }
 

@@ -1,4 +1,4 @@
-"""Shared by cli/, recipe/ and trainer/.
+"""Shared by cli/, recipe/, run/ and trainer/.
 
 Checkpoints that never lose a run: atomic folders, rotation that keeps the newest, verified resume.
 

@@ -1,4 +1,4 @@
-"""Shared by checkpoint.py, cli/, data.py, distributed/, http.py, recipe/, reporting/, rewards/, rollout/,
+"""Shared by checkpoint.py, cli/, config/, data/, distributed/, http.py, reporting/, rewards/, rollout/, run/,
 sglang/ and shipped.py.
 
 The base class of the errors a user fixes: each message names the setting, file or function, the value and the

@@ -1,4 +1,4 @@
-"""Shared by contracts.py, recipe/ and rollout/.
+"""Shared by contracts.py, recipe/, rollout/ and run/.
 
 How a collected batch is split: over processes, into micro-batches, into optimizer steps.
 

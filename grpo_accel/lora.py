@@ -1,4 +1,4 @@
-"""Shared by recipe/ and sglang/.
+"""Shared by recipe/, run/ and sglang/.
 
 LoRA through PEFT: only the adapter trains, sits in the optimizer and is checkpointed; the KL reference is the
 same model with its adapter switched off; engines receive the merged weights under the base model's names.

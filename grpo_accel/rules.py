@@ -1,7 +1,7 @@
-"""Shared by checkpoint.py, cli/, data.py, http.py, layout.py, loss/, recipe/, reporting/, rewards/, rollout/,
-sglang/ and trainer/.
+"""Shared by checkpoint.py, cli/, config/, data/, http.py, layout.py, loss/, recipe/, reporting/, rewards/,
+rollout/, sglang/ and trainer/.
 
-Each rule about a setting's value, once. The YAML config (``grpo_accel.recipe.schema``, naming its keys) and the
+Each rule about a setting's value, once. The YAML config (``grpo_accel.config.schema``, naming its keys) and the
 Python API (``GRPOLoss``, ``GRPOTrainer``, the collector, ..., naming their arguments) check through
 :func:`check`, so a value is refused with the same reason and fix whichever way it was given.
 
@@ -39,7 +39,7 @@ RULES: dict[str, Rule] = {
     "positive_count": _at_least(1),
     "non_negative_count": _at_least(0),
     "optional_count": _none_or_at_least(1, "no limit"),
-    "model_count": _none_or_at_least(1, "follows the model, grpo_accel.recipe.defaults"),
+    "model_count": _none_or_at_least(1, "follows the model, grpo_accel.config.defaults"),
     # rollouts
     "group_size": Rule(lambda v: v >= 2, "GRPO compares completions within a group, so a group needs at least 2; "
                                          "use 2 or more (8-16 is common)"),

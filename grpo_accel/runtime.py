@@ -1,4 +1,4 @@
-"""Shared by cli/, distributed/, recipe/ and trainer/.
+"""Shared by cli/, distributed/, recipe/, run/ and trainer/.
 
 Process-level set-up: torch threads per process, the allocator, DeepSpeed's CPU op, stale build locks, signals
 and the terminal, the exit."""

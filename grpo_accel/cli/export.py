@@ -1,5 +1,5 @@
 """``grpo-accel export CHECKPOINT OUT``: a checkpoint (or a run's newest) as a Hugging Face model folder, through
-:func:`grpo_accel.recipe.export.export_checkpoint`; a bad checkpoint or folder is one line and exit code 2."""
+:func:`grpo_accel.run.export.export_checkpoint`; a bad checkpoint or folder is one line and exit code 2."""
 from __future__ import annotations
 
 import argparse
@@ -7,8 +7,8 @@ import logging
 import os
 
 from grpo_accel.checkpoint import CheckpointError
-from grpo_accel.recipe import export as library
-from grpo_accel.recipe.export import export_checkpoint
+from grpo_accel.run import export as library
+from grpo_accel.run.export import export_checkpoint
 from grpo_accel.rules import DTYPES
 
 

@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from aiohttp import web
 
-    from grpo_accel.recipe.checks import ConfigError
-    from grpo_accel.recipe.loading import load_config
+    from grpo_accel.config.checks import ConfigError
+    from grpo_accel.config.loading import load_config
     from grpo_accel.recipe.parts import build_reward
 
     try:

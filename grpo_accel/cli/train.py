@@ -6,7 +6,7 @@ folder's lock, the summary and one-line errors.
     accelerate launch --config_file accelerate_configs/single_process.yaml launch/train.py [--config F] [key=value ...]
 
 ``--config`` takes a YAML file or a shipped recipe by name (``grpo-accel configs`` lists them), or a
-``trl grpo`` config file (:mod:`grpo_accel.recipe.trl_config`).
+``trl grpo`` config file (:mod:`grpo_accel.config.trl.translate`).
 
 With no model named, this trains the built-in tiny Llama (random weights) on the built-in addition task.
 Outputs in ``output_dir``: config.yaml (resolved), tensorboard/ (event files), checkpoints/, summary.json.
@@ -29,10 +29,10 @@ import yaml
 
 from grpo_accel.distributed import first_process
 from grpo_accel.errors import UserError
-from grpo_accel.recipe.loading import load_config
-from grpo_accel.recipe.secrets import record, redact_text
-from grpo_accel.recipe.run_folder import RunFinished, RunFolderLock
-from grpo_accel.recipe.schema import GRPOConfig
+from grpo_accel.config.loading import load_config
+from grpo_accel.config.secrets import record, redact_text
+from grpo_accel.run.folder import RunFinished, RunFolderLock
+from grpo_accel.config.schema import GRPOConfig
 
 log = logging.getLogger("grpo_accel.train")
 
@@ -70,7 +70,7 @@ def shown_once(showwarning):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from grpo_accel.recipe.reference import help_text
+    from grpo_accel.config.reference import help_text
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=help_text())

@@ -1,4 +1,4 @@
-"""The recipe's wiring: a :class:`~grpo_accel.recipe.schema.GRPOConfig` becomes a ready :class:`GRPOTrainer`.
+"""The recipe's wiring: a :class:`~grpo_accel.config.schema.GRPOConfig` becomes a ready :class:`GRPOTrainer`.
 
     trainer = build_trainer(load_config("launch/configs/default.yaml"))
     trainer.train()
@@ -18,8 +18,8 @@ from pathlib import Path
 
 from grpo_accel.distributed import first_process, full_numel
 from grpo_accel.layout import BatchLayout
-from grpo_accel.recipe.checks import ConfigError
-from grpo_accel.recipe.schema import GRPOConfig
+from grpo_accel.config.checks import ConfigError
+from grpo_accel.config.schema import GRPOConfig
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,8 @@ def build_trainer(cfg: GRPOConfig):
     from grpo_accel.distributed.deepspeed_files import preflight
     from grpo_accel.distributed import launch_world_size, make_accelerator
     from grpo_accel.recipe.parts import build_environment, build_policy, build_rewards, build_rows, build_tokenizer
-    from grpo_accel.recipe.run_folder import data_fingerprints, keep_the_batch, start_point
-    from grpo_accel.recipe.secrets import record
+    from grpo_accel.run.folder import data_fingerprints, keep_the_batch, start_point
+    from grpo_accel.config.secrets import record
     from grpo_accel.trainer import GRPOTrainer
 
     t, r, c = cfg.trainer, cfg.rollout, cfg.checkpoint
@@ -125,8 +125,8 @@ def fit_unset_budget(cfg: GRPOConfig, tokenizer, rows: list[dict]) -> None:
     """An unset ``rollout.max_new_tokens`` (TRL's 256 for a named model) that would not fit after the longest prompt
     in the model's context follows the model there too: what the context leaves, said in a line. A value set
     anywhere is kept (and refused, naming it, if it does not fit)."""
-    from grpo_accel.data import encode_prompts
-    from grpo_accel.recipe.defaults import fitted_budget
+    from grpo_accel.data.prompts import encode_prompts
+    from grpo_accel.config.defaults import fitted_budget
     from grpo_accel.recipe.parts import model_context
 
     r, m = cfg.rollout, cfg.model
@@ -163,8 +163,8 @@ def open_run_trackers(cfg: GRPOConfig, resume: Path | None):
     import json
 
     from grpo_accel.checkpoint import Checkpoint
-    from grpo_accel.recipe.loading import flatten_keys
-    from grpo_accel.recipe.secrets import record
+    from grpo_accel.config.loading import flatten_keys
+    from grpo_accel.config.secrets import record
     from grpo_accel.reporting.trackers import open_trackers
 
     t = cfg.trainer
@@ -252,8 +252,8 @@ def run_optimizer_steps(cfg: GRPOConfig, layout: BatchLayout, micro_batch: int) 
 
 
 def warn_unusual_settings(cfg: GRPOConfig, model) -> None:
-    """One warning line per setting unusual for ``model`` (:func:`grpo_accel.recipe.defaults.unusual_settings`)."""
-    from grpo_accel.recipe.defaults import unusual_settings
+    """One warning line per setting unusual for ``model`` (:func:`grpo_accel.config.defaults.unusual_settings`)."""
+    from grpo_accel.config.defaults import unusual_settings
 
     for line in unusual_settings(cfg, sum(full_numel(p) for p in model.parameters())):
         log.warning(line)
@@ -280,8 +280,8 @@ def _register_hooks(trainer, cfg: GRPOConfig, engine, sender, tokenizer, held_ou
         trainer.register_op("pre_train", evaluator.before_training, "evaluate_untrained")
         trainer.register_op("post_iteration", evaluator, "evaluate")
     if cfg.hub.push and trainer.accelerator.is_main_process:  # the Hub gets the exported model, after each checkpoint
-        from grpo_accel.recipe.export import export_checkpoint
-        from grpo_accel.recipe.hub import HubPusher
+        from grpo_accel.run.export import export_checkpoint
+        from grpo_accel.run.hub import HubPusher
 
         pusher = HubPusher(cfg.hub, cfg.output_dir, export_checkpoint)
         trainer.register_op("post_checkpoint", lambda _, path: pusher.after_checkpoint(path), "push_to_hub")

@@ -11,10 +11,10 @@ import gc
 import importlib
 from pathlib import Path
 
-from grpo_accel.recipe.checks import ConfigError
-from grpo_accel.recipe.dataset import extract_answers, load_rows, transform_rows, validate_rows
-from grpo_accel.recipe.rollout_schema import RewardConfig, RolloutConfig
-from grpo_accel.recipe.schema import DataConfig, LoraConfig, ModelConfig
+from grpo_accel.config.checks import ConfigError
+from grpo_accel.data.files import extract_answers, load_rows, transform_rows, validate_rows
+from grpo_accel.config.rollout_schema import RewardConfig, RolloutConfig
+from grpo_accel.config.schema import DataConfig, LoraConfig, ModelConfig
 from grpo_accel.rewards import BUILTIN_REWARDS, RewardSet, is_async_reward
 from grpo_accel.rules import TRAINING_DTYPES
 from grpo_accel.tasks import BUILTIN_TASKS

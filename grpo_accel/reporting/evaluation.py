@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from grpo_accel import batch
-from grpo_accel.data import encode_prompts
+from grpo_accel.data.prompts import encode_prompts
 from grpo_accel.reporting.metrics import episode_columns, episode_scalars
 from grpo_accel.rewards import RewardSet
 from grpo_accel.rollout.collector import score_rollout

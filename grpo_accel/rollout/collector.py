@@ -12,7 +12,7 @@ from tensordict import TensorDict
 from grpo_accel import batch
 from grpo_accel.advantages import group_advantages
 from grpo_accel.contracts import Collector, RolloutEngine
-from grpo_accel.data import OVERLONG, DataError, Prompts, check_columns, encode_prompts, fit_prompts
+from grpo_accel.data.prompts import OVERLONG, DataError, Prompts, check_columns, encode_prompts, fit_prompts
 from grpo_accel.distributed import any_process
 from grpo_accel.layout import BatchLayout
 from grpo_accel.rewards import EPISODE_FIELDS, PROVIDED_FIELDS, RewardSet
@@ -111,9 +111,9 @@ class GRPOCollector(Collector):
         rank: the share of each batch this process collects, ``accelerator.process_index`` under several
             processes (the trainer checks it).
         max_prompt_tokens: a longer prompt (after the chat template) is an error naming its row, or, by
-            ``overlong_prompts`` (:data:`grpo_accel.data.OVERLONG`), its row is dropped or its prompt cut to its last
+            ``overlong_prompts`` (:data:`grpo_accel.data.prompts.OVERLONG`), its row is dropped or its prompt cut to its last
             ``max_prompt_tokens`` tokens (counted and said once).
-        system_prompt: prepended as a system message to every chat-formatted prompt (see :mod:`grpo_accel.data`).
+        system_prompt: prepended as a system message to every chat-formatted prompt (see :mod:`grpo_accel.data.prompts`).
         scale_advantages / leave_one_out: see :func:`grpo_accel.advantages.group_advantages`.
         dynamic_sampling: drop groups whose rewards all tie (they carry no gradient) and sample more prompts
             until the batch is full, for at most ``max_extra_rounds`` extra rounds; tied groups fill what is

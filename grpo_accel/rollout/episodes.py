@@ -21,7 +21,7 @@ import torch
 from tensordict import TensorDict
 
 from grpo_accel import batch
-from grpo_accel.data import ROLES, Prompts, chat_messages, encode_prompts, is_chat_message, render_chat
+from grpo_accel.data.prompts import ROLES, Prompts, chat_messages, encode_prompts, is_chat_message, render_chat
 from grpo_accel.errors import UserError
 from grpo_accel.rollout.sampling import batch_seeds, completion_keys, turn_key
 from grpo_accel.rules import check
@@ -76,7 +76,7 @@ class ToolEnvironment:
         parser: reads calls from a turn's text; the ``<tool_call>{json}</tool_call>`` format by default.
         timeout_s: each call's time limit; a call over it is answered with an error.
         prompt_field / system_prompt: the row's column with the first messages, and a system message to put
-            first (as for single-turn prompts, :func:`grpo_accel.data.chat_messages`).
+            first (as for single-turn prompts, :func:`grpo_accel.data.prompts.chat_messages`).
 
     Example:
         >>> make_env = lambda: ToolEnvironment([calculator], system_prompt="Use the calculator.")

@@ -207,7 +207,7 @@ def _tokenizer_and_model(args):
 
     if args.model is not None:  # weights and tokenizer, e.g. from save_pretrained
         from grpo_accel.recipe.parts import build_tokenizer_and_model
-        from grpo_accel.recipe.schema import ModelConfig
+        from grpo_accel.config.schema import ModelConfig
 
         return build_tokenizer_and_model(ModelConfig(name_or_path=args.model, dtype=args.dtype))
     tokenizer = build_char_tokenizer()
@@ -267,7 +267,7 @@ def loop(args, folder: str) -> dict[str, dict]:
 
 def _config(args, folder: str, out: str, settings: list[str]):
     """The config of the benchmark's work: the saved model, the built-in addition task, its batch and lengths."""
-    from grpo_accel.recipe.loading import load_config
+    from grpo_accel.config.loading import load_config
 
     return load_config(None, [
         f"model.name_or_path={folder}", "data.max_operand=49", f"rollout.prompts_per_batch={args.prompts}",

@@ -44,7 +44,7 @@ def final_model(run: Path, dtype: torch.dtype):
 
     from grpo_accel.checkpoint import Checkpoint
     from grpo_accel.lora import merged_model
-    from grpo_accel.recipe.export import load_policy
+    from grpo_accel.run.export import load_policy
 
     last = Checkpoint(run / "checkpoints").complete()[-1]
     model = merged_model(load_policy(last))

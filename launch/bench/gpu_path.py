@@ -185,7 +185,7 @@ def section_memory(args) -> None:
     ``--folder``/SIZE (by the first process; the others wait for it)."""
     from grpo_accel.distributed import first_process, zero_stage
     from grpo_accel.recipe.build import build_trainer, close_parts
-    from grpo_accel.recipe.loading import load_config
+    from grpo_accel.config.loading import load_config
 
     size = args.sizes[0]
     folder = Path(args.folder) / size

@@ -36,7 +36,7 @@ def process_main(args) -> None:
 
     from grpo_accel.distributed.deepspeed_files import launched_zero_stage
     from grpo_accel.recipe.build import build_trainer, close_parts
-    from grpo_accel.recipe.loading import load_config
+    from grpo_accel.config.loading import load_config
     from grpo_accel.runtime import configure_allocator, configure_threads, exit_skipping_teardown
 
     configure_threads()  # as grpo-accel train sets them

@@ -17,7 +17,7 @@ ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
 
 TINY_FOLDER = ("rollout.max_new_tokens=4", "optim.lr=3e-4")
 """The built-in tiny model's settings for a tiny model given as a folder: a model named by model.name_or_path
-takes a pretrained model's defaults (grpo_accel.recipe.defaults), 256 new tokens over its 128-token context."""
+takes a pretrained model's defaults (grpo_accel.config.defaults), 256 new tokens over its 128-token context."""
 
 
 def free_port() -> int:

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from grpo_accel.distributed import uses_deepspeed, zero_stage  # noqa: E402
 from grpo_accel.recipe.build import build_trainer  # noqa: E402
-from grpo_accel.recipe.loading import load_config  # noqa: E402
+from grpo_accel.config.loading import load_config  # noqa: E402
 from grpo_accel.runtime import configure_threads  # noqa: E402
 
 

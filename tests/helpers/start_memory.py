@@ -87,7 +87,7 @@ def main(folder: str, *overrides: str) -> None:
     from grpo_accel.distributed import local_parameter_fraction
     from grpo_accel.distributed.deepspeed_files import launched_zero_stage
     from grpo_accel.recipe.build import build_trainer
-    from grpo_accel.recipe.loading import load_config
+    from grpo_accel.config.loading import load_config
     from grpo_accel.runtime import configure_allocator, configure_threads
 
     configure_threads()  # as grpo-accel train sets them

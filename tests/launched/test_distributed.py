@@ -153,7 +153,7 @@ def single_lora(tmp_path_factory, model_dir):
 ])
 def test_lora_under_zero_matches_one_process(single_lora, model_dir, tmp_path, config, stage, extra):
     from grpo_accel.checkpoint import Checkpoint
-    from grpo_accel.recipe.export import load_policy
+    from grpo_accel.run.export import load_policy
 
     expected, one, one_out = single_lora
     out = run(config, tmp_path, "run", *saved(model_dir), "trainer.micro_batch_completions=64", *LORA, *extra)

@@ -92,10 +92,10 @@ def test_launched_runs_train_on_episodes(tmp_path, short_turns, config, extra):
 
 
 def test_environment_settings_build_or_name_the_fix():
-    from grpo_accel.recipe.checks import ConfigError
+    from grpo_accel.config.checks import ConfigError
     from grpo_accel.recipe.parts import build_environment, build_rows
-    from grpo_accel.recipe.rollout_schema import RolloutConfig
-    from grpo_accel.recipe.schema import DataConfig
+    from grpo_accel.config.rollout_schema import RolloutConfig
+    from grpo_accel.config.schema import DataConfig
 
     data = DataConfig(task="calculator", max_operand=20, holdout=4, system_prompt="Calculate.")
     assert build_environment(RolloutConfig(), data) is None

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from grpo_accel.recipe.loading import load_config
+from grpo_accel.config.loading import load_config
 from launching import ROOT, launch, run_in_group
 from trainer_utils import train_in_process
 
@@ -81,7 +81,7 @@ def test_bad_input_is_a_named_error_before_anything_is_built(tmp_path, monkeypat
     line, is the launched tests' below)."""
     from grpo_accel.errors import UserError
     from grpo_accel.recipe.build import build_trainer
-    from grpo_accel.recipe.loading import load_config
+    from grpo_accel.config.loading import load_config
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
@@ -178,9 +178,9 @@ def test_a_launch_that_times_out_is_killed_with_its_children(tmp_path):
 
 
 def test_model_folders_that_cannot_work_are_named_before_training(tmp_path, tokenizer, tiny_model):
-    from grpo_accel.recipe.checks import ConfigError
+    from grpo_accel.config.checks import ConfigError
     from grpo_accel.recipe.parts import build_tokenizer_and_model
-    from grpo_accel.recipe.schema import ModelConfig
+    from grpo_accel.config.schema import ModelConfig
     from grpo_accel.tasks.tiny import build_char_tokenizer
 
     no_tokenizer, mismatched = tmp_path / "no_tokenizer", tmp_path / "mismatched"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grpo_accel.checkpoint import Checkpoint
-from grpo_accel.recipe.export import checkpoint_state_dict, policy_weights
+from grpo_accel.run.export import checkpoint_state_dict, policy_weights
 from launching import launch
 from trainer_utils import train_in_process
 
@@ -154,7 +154,7 @@ def refused_resume(tmp_path, zero2_run, never, settings: list[str], error: type,
 
 def test_resume_with_other_settings_names_them(tmp_path, straight, never):
     """launch/train.py's start point: refused before anything is built, the run folder untouched."""
-    from grpo_accel.recipe.checks import ConfigError
+    from grpo_accel.config.checks import ConfigError
 
     message = refused_resume(tmp_path, straight("zero2.yaml"), never, ["rollout.group_size=4", "model.hidden_size=32"],
                              ConfigError, "was trained with other settings")
@@ -170,8 +170,8 @@ def test_a_fresh_run_never_lands_on_another_runs_outputs(tmp_path, caplog):
     import subprocess
     import sys
 
-    from grpo_accel.recipe.checks import ConfigError
-    from grpo_accel.recipe.run_folder import RunFolderBusy
+    from grpo_accel.config.checks import ConfigError
+    from grpo_accel.run.folder import RunFolderBusy
     from grpo_accel.reporting.event_files import read_scalars
 
     run = tmp_path / "run"
@@ -182,7 +182,7 @@ def test_a_fresh_run_never_lands_on_another_runs_outputs(tmp_path, caplog):
     assert "checkpoint.resume=auto continues that run" in str(err.value) and "overwrite=true" in str(err.value)
     assert contents(run) == before
 
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from grpo_accel.recipe.run_folder import RunFolderLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from grpo_accel.run.folder import RunFolderLock; "
                                f"RunFolderLock({str(run)!r}).acquire(); print(flush=True); time.sleep(300)"],
                               stdout=subprocess.PIPE, text=True)
     holder.stdout.readline()
@@ -208,7 +208,7 @@ def test_a_fresh_run_never_lands_on_another_runs_outputs(tmp_path, caplog):
 def test_zero3_export_matches_the_single_process_model(tmp_path, straight, never):
     from transformers import AutoModelForCausalLM
 
-    from grpo_accel.recipe.export import export_checkpoint
+    from grpo_accel.run.export import export_checkpoint
 
     single, z3 = tmp_path / "single", straight("zero3.yaml")
     train_in_process([f"output_dir={single}", f"trainer.total_frames={4 * BATCH}", *BASE, never,

@@ -225,7 +225,7 @@ def test_a_conversion_killed_midway_is_redone_by_the_next_resume(tmp_path, sourc
 
 def _tiny_trainable_shapes():
     """The built-in tiny model's parameters as the loss module names them (the order the optimizer holds them)."""
-    from grpo_accel.recipe.loading import load_config
+    from grpo_accel.config.loading import load_config
     from grpo_accel.recipe.parts import build_policy, build_tokenizer
 
     cfg = load_config(None, [])

@@ -9,7 +9,7 @@ import torch
 
 import reward_helpers
 from grpo_accel.recipe.parts import build_reward
-from grpo_accel.recipe.rollout_schema import RewardConfig
+from grpo_accel.config.rollout_schema import RewardConfig
 from grpo_accel.rewards.sources import AsyncReward, RemoteReward, RewardFault, TimedReward
 from grpo_accel.rewards import RewardSet, answer_match, standardise
 from launching import ROOT, launch, reward_server as serve_reward, run_in_group

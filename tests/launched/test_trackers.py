@@ -156,8 +156,8 @@ def test_a_missing_tracker_package_is_one_line_naming_the_install(tmp_path, monk
 def test_report_to_takes_accelerates_names_and_nothing_else():
     from accelerate.utils import LoggerType
 
-    from grpo_accel.recipe.checks import ConfigError
-    from grpo_accel.recipe.loading import load_config
+    from grpo_accel.config.checks import ConfigError
+    from grpo_accel.config.loading import load_config
     from grpo_accel.reporting.trackers import TRACKERS
 
     assert set(TRACKERS) == {str(t) for t in LoggerType} - {"all"}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from grpo_accel import batch
-from grpo_accel.data import DataError
+from grpo_accel.data.prompts import DataError
 from grpo_accel.http import HTTPClient, ServerError
 from grpo_accel.layout import BatchLayout
 from grpo_accel.logprobs import sequence_logprobs
@@ -322,7 +322,7 @@ def test_colocated_servers_free_their_memory_while_the_trainer_trains(tmp_path, 
     the weights, takes back the KV cache, and only then lets it generate (SGLang's order; the stand-in dies, as
     SGLang does, on generation or loading into freed memory and on a release while requests run), and a server
     without the flag is refused at start."""
-    from grpo_accel.recipe.checks import ConfigError
+    from grpo_accel.config.checks import ConfigError
     from test_sglang_runs import assert_server_holds_checkpoint, sglang_args
 
     url, out = servers.get(model_dir, "--deterministic", "--enable-memory-saver"), tmp_path / "run"
@@ -339,7 +339,7 @@ def test_colocated_servers_free_their_memory_while_the_trainer_trains(tmp_path, 
     one_batch = ["generate", "pause", "release kv_cache,weights,cuda_graph", "resume weights,cuda_graph", "pause",
                  "load", "resume kv_cache", "continue"]
     assert calls[:16] == one_batch * 2 and calls.count("release kv_cache,weights,cuda_graph") == 3
-    from grpo_accel.recipe.loading import load_config
+    from grpo_accel.config.loading import load_config
 
     with pytest.raises(ConfigError, match="colocated servers free their memory while the trainer trains"):
         load_config(None, ["rollout.backend=sglang", "rollout.urls=[http://h:1]", "rollout.colocate=true",

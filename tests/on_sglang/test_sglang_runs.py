@@ -27,7 +27,7 @@ def final_policy(out):
     """The run's final weights as the engine serves them (a LoRA run's merged), by name."""
     from grpo_accel.checkpoint import Checkpoint
     from grpo_accel.lora import merged_model
-    from grpo_accel.recipe.export import load_policy
+    from grpo_accel.run.export import load_policy
 
     return merged_model(load_policy(Checkpoint(out / "checkpoints").complete()[-1])).state_dict()
 

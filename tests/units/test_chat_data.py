@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from grpo_accel import batch
-from grpo_accel.data import DataError, encode_prompts
+from grpo_accel.data.prompts import DataError, encode_prompts
 from grpo_accel.layout import BatchLayout
-from grpo_accel.recipe.checks import ConfigError
-from grpo_accel.recipe.dataset import load_rows, validate_rows
+from grpo_accel.config.checks import ConfigError
+from grpo_accel.data.files import load_rows, validate_rows
 from grpo_accel.recipe.parts import build_rows
-from grpo_accel.recipe.schema import DataConfig
+from grpo_accel.config.schema import DataConfig
 from grpo_accel.rewards import RewardSet, text_reward
 from grpo_accel.rollout.collector import GRPOCollector
 from grpo_accel.embedded.engine import EmbeddedEngine
@@ -126,7 +126,7 @@ def test_eval_path_takes_any_form_of_data_path(tmp_path):
 
 def test_a_hub_id_that_cannot_be_loaded_is_named():
     """As on a machine without the hub (offline mode, set before import, skips ~25 s of retries)."""
-    code = ("from grpo_accel.recipe.dataset import load_rows\n"
+    code = ("from grpo_accel.data.files import load_rows\n"
             "load_rows('someone/no-such-dataset', name='main', split='test')\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
                           capture_output=True, text=True, timeout=120)

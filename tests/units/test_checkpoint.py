@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo_accel.checkpoint import MARKER, Checkpoint, CheckpointError, CheckpointRotation, file_manifest
-from grpo_accel.recipe.export import export_checkpoint
+from grpo_accel.run.export import export_checkpoint
 from grpo_accel.tasks.tiny import TinyModelSpec, build_tiny_model
 from trainer_utils import (fresh_accelerate_state, make_trainer, reset_accelerate_state,  # noqa: F401
                            without_wall_times)
@@ -148,9 +148,9 @@ def test_run_folder_lock_names_a_live_holder_and_takes_over_from_a_dead_one(tmp_
     import subprocess
     import sys
 
-    from grpo_accel.recipe.run_folder import RunFolderBusy, RunFolderLock
+    from grpo_accel.run.folder import RunFolderBusy, RunFolderLock
 
-    holder = subprocess.Popen([sys.executable, "-c", "import time; from grpo_accel.recipe.run_folder import RunFolderLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import time; from grpo_accel.run.folder import RunFolderLock; "
                                f"RunFolderLock({str(tmp_path)!r}).acquire(); print(flush=True); time.sleep(300)"],
                               stdout=subprocess.PIPE, text=True)
     holder.stdout.readline()
@@ -161,7 +161,7 @@ def test_run_folder_lock_names_a_live_holder_and_takes_over_from_a_dead_one(tmp_
     finally:
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait()
-    with caplog.at_level("WARNING", logger="grpo_accel.recipe.run_folder"):
+    with caplog.at_level("WARNING", logger="grpo_accel.run.folder"):
         lock.acquire()
     assert f"taking over the lock of pid {holder.pid}" in caplog.text and lock.held
     with pytest.raises(RunFolderBusy, match=f"pid {os.getpid()}"):  # held by this live process now
@@ -228,9 +228,9 @@ def test_the_batch_is_kept_over_another_process_count():
 def test_the_recipe_refuses_a_process_count_that_cannot_keep_the_batch():
     from grpo_accel.layout import BatchLayout
     from grpo_accel.recipe.build import LAYOUT_NAMES
-    from grpo_accel.recipe.checks import ConfigError
-    from grpo_accel.recipe.loading import load_config
-    from grpo_accel.recipe.run_folder import keep_the_batch
+    from grpo_accel.config.checks import ConfigError
+    from grpo_accel.config.loading import load_config
+    from grpo_accel.run.folder import keep_the_batch
 
     cfg = load_config(None, ["rollout.prompts_per_batch=12", "rollout.group_size=2", "trainer.micro_batch_completions=4"])
     saved = {"num_processes": 2, "user": {"config": {"trainer": {"micro_batch_completions": 4,

@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from grpo_accel import batch
-from grpo_accel.data import DataError
+from grpo_accel.data.prompts import DataError
 from grpo_accel.layout import BatchLayout
-from grpo_accel.recipe.checks import ConfigError
-from grpo_accel.recipe.dataset import load_rows, validate_rows
+from grpo_accel.config.checks import ConfigError
+from grpo_accel.data.files import load_rows, validate_rows
 from grpo_accel.recipe.parts import build_rewards, build_rows, resolve_reward
-from grpo_accel.recipe.rollout_schema import RewardConfig
-from grpo_accel.recipe.schema import DataConfig
+from grpo_accel.config.rollout_schema import RewardConfig
+from grpo_accel.config.schema import DataConfig
 from grpo_accel.rewards import RewardSet, answer_match, format_match
 from grpo_accel.rollout.collector import GRPOCollector
 from grpo_accel.embedded.engine import EmbeddedEngine

@@ -6,9 +6,9 @@ import pytest
 import yaml
 
 from grpo_accel.recipe.build import batch_layout
-from grpo_accel.recipe.checks import ConfigError
-from grpo_accel.recipe.loading import load_config, to_dict
-from grpo_accel.recipe.schema import GRPOConfig
+from grpo_accel.config.checks import ConfigError
+from grpo_accel.config.loading import load_config, to_dict
+from grpo_accel.config.schema import GRPOConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -129,7 +129,7 @@ def test_missing_and_broken_files(tmp_path):
 
 
 def test_renamed_keys_name_their_new_name_and_old_checkpoints_still_match():
-    from grpo_accel.recipe.loading import resume_conflicts
+    from grpo_accel.config.loading import resume_conflicts
 
     for old, new in [("rollout.prompts_per_step", "rollout.prompts_per_batch"),
                      ("weight_sync.verify_names", "weight_sync.verify_tensors"),

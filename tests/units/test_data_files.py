@@ -5,10 +5,10 @@ import logging
 
 import pytest
 
-from grpo_accel.data import DataError
-from grpo_accel.recipe.checks import ConfigError
-from grpo_accel.recipe.dataset import load_rows
-from grpo_accel.recipe.loading import load_config
+from grpo_accel.data.prompts import DataError
+from grpo_accel.config.checks import ConfigError
+from grpo_accel.data.files import load_rows
+from grpo_accel.config.loading import load_config
 from grpo_accel.reporting.event_files import read_scalars
 from trainer_utils import train_in_process
 

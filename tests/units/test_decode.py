@@ -248,9 +248,9 @@ def test_decode_worker_draws_like_the_engine_and_follows_weight_pushes(tokenizer
 def test_decoder_choices_and_their_errors(tokenizer):
     from transformers import MistralConfig, MistralForCausalLM
 
-    from grpo_accel.recipe.checks import ConfigError
-    from grpo_accel.recipe.rollout_schema import RolloutConfig
-    from grpo_accel.recipe.schema import GRPOConfig
+    from grpo_accel.config.checks import ConfigError
+    from grpo_accel.config.rollout_schema import RolloutConfig
+    from grpo_accel.config.schema import GRPOConfig
 
     windowed = MistralForCausalLM(MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                                 num_attention_heads=2, num_key_value_heads=1, sliding_window=8))

@@ -9,7 +9,7 @@ import torch
 from episode_env import ROWS, Countdown, chat_tokenizer, short_turn_model
 from grpo_accel import batch
 from grpo_accel.advantages import group_advantages
-from grpo_accel.data import render_chat
+from grpo_accel.data.prompts import render_chat
 from grpo_accel.layout import BatchLayout
 from grpo_accel.logprobs import sequence_logprobs
 from grpo_accel.loss import GRPOLoss

@@ -10,11 +10,11 @@ import torch
 from grpo_accel.checkpoint import Checkpoint, CheckpointError
 from grpo_accel.distributed import optimizer_state_bytes, trainable_elements
 from grpo_accel.lora import BasePolicy, apply_lora, merge_lora
-from grpo_accel.recipe.checks import ConfigError
-from grpo_accel.recipe.export import export_checkpoint, load_policy
-from grpo_accel.recipe.loading import load_config, to_dict
+from grpo_accel.config.checks import ConfigError
+from grpo_accel.run.export import export_checkpoint, load_policy
+from grpo_accel.config.loading import load_config, to_dict
 from grpo_accel.recipe.parts import build_policy, lora_policy
-from grpo_accel.recipe.schema import LoraConfig
+from grpo_accel.config.schema import LoraConfig
 from grpo_accel.tasks.tiny import build_tiny_model
 from grpo_accel.sglang.gather import BucketedGather, engine_weights
 from trainer_utils import fresh_accelerate_state, make_trainer, reset_accelerate_state  # noqa: F401

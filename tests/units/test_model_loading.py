@@ -10,10 +10,10 @@ import pytest
 import torch
 import yaml
 
-from grpo_accel.recipe import defaults
-from grpo_accel.recipe.checks import ConfigError
-from grpo_accel.recipe.defaults import Hardware
-from grpo_accel.recipe.loading import load_config
+from grpo_accel.config import defaults
+from grpo_accel.config.checks import ConfigError
+from grpo_accel.config.defaults import Hardware
+from grpo_accel.config.loading import load_config
 from launching import TINY_FOLDER
 from trainer_utils import train_in_process
 

@@ -7,7 +7,7 @@ import torch
 from grpo_accel import batch
 from grpo_accel.embedded.engine import EmbeddedEngine
 from grpo_accel.loss import GRPOLoss, without_truncated
-from grpo_accel.recipe.checks import ConfigError
+from grpo_accel.config.checks import ConfigError
 from grpo_accel.rewards import overlong_penalty, soft_overlong_penalty
 from trainer_utils import train_in_process
 
@@ -79,7 +79,7 @@ def test_a_run_with_overlong_handling_logs_its_parts(tmp_path):
 
 
 def test_overlong_penalty_needs_its_cache_length():
-    from grpo_accel.recipe.loading import load_config
+    from grpo_accel.config.loading import load_config
     from grpo_accel.recipe.parts import build_rewards
 
     cfg = load_config(None, ["rewards=[{name: overlong_penalty}]"])

@@ -189,7 +189,7 @@ def test_the_loss_shares_prompts_by_default_and_runs_padded_where_it_cannot(toke
 
 def test_the_config_key_reaches_the_loss():
     from grpo_accel.recipe.build import build_loss
-    from grpo_accel.recipe.loading import load_config
+    from grpo_accel.config.loading import load_config
 
     model = build_tiny_model(build_char_tokenizer(), seed=0)
     assert build_loss(load_config(None, []), model, None).shared_prompts is True

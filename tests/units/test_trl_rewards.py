@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from grpo_accel.recipe.checks import ConfigError
+from grpo_accel.config.checks import ConfigError
 from grpo_accel.rewards import RewardError, RewardSet, answer_match, text_reward
 from grpo_accel.reporting.event_files import read_scalars
 from trainer_utils import train_in_process

@@ -14,7 +14,7 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path):
                            "-d", str(tmp_path / "site")], capture_output=True, text=True, timeout=600,
                           env={"NO_MKDOCS_2_WARNING": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-4000:]
-    from grpo_accel.recipe.reference import keys
+    from grpo_accel.config.reference import keys
 
     page = (tmp_path / "site" / "reference" / "configuration" / "index.html").read_text()
     missing = [k.name for k in keys() if f"<code>{k.name}</code>" not in page]
@@ -25,7 +25,7 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path):
 
 def test_help_prints_every_key_with_its_type_default_and_meaning(capsys):
     from grpo_accel.cli.train import main
-    from grpo_accel.recipe.reference import keys
+    from grpo_accel.config.reference import keys
 
     with pytest.raises(SystemExit):
         main(["--help"])

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from grpo_accel.recipe.checks import ConfigError
-from grpo_accel.recipe.loading import load_config
+from grpo_accel.config.checks import ConfigError
+from grpo_accel.config.loading import load_config
 from grpo_accel.reporting.event_files import read_scalars
 from launching import ROOT, run_in_group
 from trainer_utils import train_in_process

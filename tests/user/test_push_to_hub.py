@@ -28,7 +28,7 @@ def hub(monkeypatch):
 
 
 def test_every_checkpoint_is_pushed_as_a_model_and_the_newest_checkpoint_beside_it(tmp_path, hub, caplog):
-    from grpo_accel.recipe.export import export_checkpoint
+    from grpo_accel.run.export import export_checkpoint
 
     out = tmp_path / "run"
     with caplog.at_level(logging.INFO):
@@ -63,7 +63,7 @@ def test_an_upload_that_fails_is_one_line_and_the_run_goes_on(tmp_path, hub, cap
 
 
 def test_trls_hub_keys_become_the_hub_settings(tmp_path):
-    from grpo_accel.recipe.trl_config import translate
+    from grpo_accel.config.trl.translate import translate
 
     got, lines = translate({"reward_funcs": ["accuracy_reward"], "max_steps": 2, "push_to_hub": True,
                             "hub_model_id": "me/model", "hub_strategy": "every_save", "hub_private_repo": True,

@@ -126,7 +126,7 @@ def test_a_short_runs_summary_compares_windows_that_do_not_overlap(tmp_path, cap
 def test_an_export_into_a_place_it_cannot_write_is_refused_before_the_weights_are_read(finished, monkeypatch):
     """Issue 49 item 10: the refusal came after the ZeRO shards had been consolidated (minutes at scale)."""
     from grpo_accel.checkpoint import Checkpoint, CheckpointError
-    from grpo_accel.recipe import export
+    from grpo_accel.run import export
 
     read = []
     monkeypatch.setattr(export, "load_policy", lambda checkpoint: read.append(checkpoint))
@@ -141,7 +141,7 @@ def test_a_resume_takes_settings_that_do_not_change_the_math_and_refuses_one_tha
     reward's retries continue the run, one line each; the weights' dtype is still refused, naming it."""
     import shutil
 
-    from grpo_accel.recipe.checks import ConfigError
+    from grpo_accel.config.checks import ConfigError
 
     run = tmp_path / "run"
     shutil.copytree(finished, run)

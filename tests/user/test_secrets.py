@@ -10,9 +10,9 @@ import urllib.request
 import pytest
 import yaml
 
-from grpo_accel.recipe.checks import ConfigError
-from grpo_accel.recipe.loading import load_config
-from grpo_accel.recipe.secrets import is_secret, record, redact, redact_text
+from grpo_accel.config.checks import ConfigError
+from grpo_accel.config.loading import load_config
+from grpo_accel.config.secrets import is_secret, record, redact, redact_text
 from launching import ROOT, free_port, launch, reward_server as serve_reward
 
 KEYS = {"rollout.api_key": "SECRET123", "weight_sync.admin_api_key": "ADMIN456", "reward": "RKEY789"}

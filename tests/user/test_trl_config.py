@@ -8,9 +8,9 @@ import pytest
 import yaml
 
 from grpo_accel.recipe.build import batch_layout
-from grpo_accel.recipe.checks import ConfigError
-from grpo_accel.recipe.loading import load_config
-from grpo_accel.recipe.trl_config import TrlLayout, translate
+from grpo_accel.config.checks import ConfigError
+from grpo_accel.config.loading import load_config
+from grpo_accel.config.trl.translate import TrlLayout, translate
 from trainer_utils import main_in_process
 
 
@@ -76,7 +76,7 @@ def test_a_trl_config_that_trl_would_refuse_is_refused_as_trl_would(tmp_path):
 
 
 def test_a_file_of_grpo_accels_own_keys_is_never_read_as_trls():
-    from grpo_accel.recipe.trl_config import is_trl_config
+    from grpo_accel.config.trl.translate import is_trl_config
 
     assert not is_trl_config({"output_dir": "runs/x"}) and not is_trl_config({"optim": {"lr": 1e-6}, "output_dir": 1})
     assert is_trl_config({"output_dir": "runs/x", "learning_rate": 1e-6})

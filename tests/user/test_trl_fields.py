@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpo_accel.recipe.checks import ConfigError
-from grpo_accel.recipe.loading import load_config, to_dict
-from grpo_accel.recipe.schema import GRPOConfig
-from grpo_accel.recipe.trl_config import translate
-from grpo_accel.recipe.reference import trl_markdown as markdown
-from grpo_accel.recipe.trl_fields import NO_EFFECT, NOT_TRLS, REFUSED, TRANSLATED, TRL_KEYS
+from grpo_accel.config.checks import ConfigError
+from grpo_accel.config.loading import load_config, to_dict
+from grpo_accel.config.schema import GRPOConfig
+from grpo_accel.config.trl.translate import translate
+from grpo_accel.config.reference import trl_markdown as markdown
+from grpo_accel.config.trl.fields import NO_EFFECT, NOT_TRLS, REFUSED, TRANSLATED, TRL_KEYS
 from trainer_utils import train_in_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ def test_every_field_of_the_installed_trl_is_in_exactly_one_list():
     fields = trl_dataclass_fields()
     assert len(fields) > 200  # GRPOConfig alone has 191 in TRL 1.16
     missing = sorted(set(fields) - TRL_KEYS)
-    assert not missing, f"fields of the installed trl in no list of grpo_accel/recipe/trl_fields.py: {missing}"
+    assert not missing, f"fields of the installed trl in no list of grpo_accel/config/trl/fields.py: {missing}"
     lists = [set(TRANSLATED), set(NO_EFFECT), set(REFUSED)]
     assert all(not a & b for i, a in enumerate(lists) for b in lists[i + 1:])
     strangers = sorted(TRL_KEYS - set(fields) - set(NOT_TRLS))
@@ -62,7 +62,7 @@ def test_every_translated_field_names_a_setting_that_exists():
 
 def test_the_docs_tables_are_the_lists():
     page = (ROOT / "docs" / "pages" / "coming-from-trl.md").read_text()
-    assert "<!-- generated: grpo_accel.recipe.reference.trl_markdown() -->" in page
+    assert "<!-- generated: grpo_accel.config.reference.trl_markdown() -->" in page
     tables = markdown()
     for name in TRL_KEYS:
         assert f"| `{name}` |" in tables, name
@@ -179,7 +179,7 @@ def test_command_line_values_that_are_not_yaml_are_the_text_they_are():
 
 
 def test_a_saved_config_without_a_newer_setting_resumes_as_its_default():
-    from grpo_accel.recipe.loading import resume_conflicts
+    from grpo_accel.config.loading import resume_conflicts
 
     current = to_dict(load_config(None, []))
     saved = to_dict(load_config(None, []))

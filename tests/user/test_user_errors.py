@@ -112,7 +112,7 @@ def test_an_environment_that_answers_garbage_stops_the_episode_naming_it(answer,
 
 
 def test_an_output_dir_that_cannot_be_written_is_one_line_before_any_work(tmp_path):
-    from grpo_accel.recipe.run_folder import RunFolderBusy
+    from grpo_accel.run.folder import RunFolderBusy
     from trainer_utils import main_in_process
 
     blocker = tmp_path / "a_file"
@@ -234,7 +234,7 @@ def test_export_errors_are_one_line(tmp_path):
 def test_paths_are_kept_resolved_so_a_resume_compares_the_files(tmp_path, monkeypatch):
     """data.path given relatively and absolutely is one file (a resume accepts it); the same relative text from
     another folder is another (it stays as written, and differs)."""
-    from grpo_accel.recipe.loading import load_config, resume_conflicts, to_dict
+    from grpo_accel.config.loading import load_config, resume_conflicts, to_dict
 
     (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
     monkeypatch.chdir(tmp_path)
@@ -250,7 +250,7 @@ def test_paths_are_kept_resolved_so_a_resume_compares_the_files(tmp_path, monkey
 def test_a_bad_reward_module_is_refused_before_any_process_group(tmp_path):
     import torch.distributed as dist
 
-    from grpo_accel.recipe.checks import ConfigError
+    from grpo_accel.config.checks import ConfigError
     from trainer_utils import main_in_process
 
     with pytest.raises(ConfigError, match=r"rewards name='nomodule:f': cannot import it"):
@@ -259,7 +259,7 @@ def test_a_bad_reward_module_is_refused_before_any_process_group(tmp_path):
 
 
 def test_a_reward_module_with_a_syntax_error_is_one_line_naming_file_and_line(tmp_path, monkeypatch):
-    from grpo_accel.recipe.checks import ConfigError
+    from grpo_accel.config.checks import ConfigError
     from trainer_utils import main_in_process
 
     (tmp_path / "broken_rewards.py").write_text("def f(prompts, completions, **kw):\n    return [1.0 for c in]\n")
@@ -277,9 +277,9 @@ def test_a_reward_model_must_be_a_classifier_with_its_head(tmp_path, tokenizer):
     too."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from grpo_accel.recipe.checks import ConfigError
+    from grpo_accel.config.checks import ConfigError
     from grpo_accel.recipe.parts import build_reward
-    from grpo_accel.recipe.rollout_schema import RewardConfig
+    from grpo_accel.config.rollout_schema import RewardConfig
     from grpo_accel.tasks.tiny import build_tiny_model
 
     causal = tmp_path / "causal"
@@ -363,7 +363,7 @@ def test_a_resume_on_changed_data_is_refused(tmp_path):
     """The same data.path with other rows in it is other data: the resume names it (the folder untouched)."""
     import json
 
-    from grpo_accel.recipe.checks import ConfigError
+    from grpo_accel.config.checks import ConfigError
     from trainer_utils import train_in_process
 
     data = tmp_path / "rows.jsonl"
@@ -379,7 +379,7 @@ def test_a_resume_on_changed_data_is_refused(tmp_path):
 
 def test_a_prompt_that_fills_the_context_says_so_and_names_max_prompt_tokens():
     """It said "Lower rollout.max_new_tokens to 0 or less": no budget can help such a prompt."""
-    from grpo_accel.data import DataError
+    from grpo_accel.data.prompts import DataError
     from grpo_accel.rollout.collector import check_context
 
     names = {"max_new_tokens": "rollout.max_new_tokens", "max_prompt_tokens": "rollout.max_prompt_tokens"}

@@ -9,10 +9,10 @@ import pytest
 import torch
 import yaml
 
-from grpo_accel.recipe.checks import ConfigError
-from grpo_accel.recipe.defaults import MODEL_DEFAULTS, unusual_settings
-from grpo_accel.recipe.loading import flatten_keys, load_config, to_dict
-from grpo_accel.recipe.schema import GRPOConfig
+from grpo_accel.config.checks import ConfigError
+from grpo_accel.config.defaults import MODEL_DEFAULTS, unusual_settings
+from grpo_accel.config.loading import flatten_keys, load_config, to_dict
+from grpo_accel.config.schema import GRPOConfig
 from grpo_accel.reporting.event_files import read_scalars
 from launching import ROOT
 from trainer_utils import train_in_process
@@ -178,7 +178,7 @@ def test_boxed_answers_and_a_row_transform(tmp_path):
 
 
 def test_answer_format_errors_name_the_row_and_the_setting(tmp_path):
-    from grpo_accel.data import DataError
+    from grpo_accel.data.prompts import DataError
 
     with pytest.raises(DataError) as err:
         gsm8k_cfg(tmp_path, "data.answer_format=boxed")

@@ -1,7 +1,5 @@
-"""Shared by recipe/, reporting/ and rollout/.
-
-Prompts: checking chat messages and dataset columns, rendering every prompt through the chat template and
-tokenising it, before any training starts. (Loading a config's dataset: :mod:`grpo_accel.recipe.dataset`.)
+"""Prompts: checking chat messages and dataset columns, rendering every prompt through the chat template and
+tokenising it, before any training starts. (Loading a config's dataset: :mod:`grpo_accel.data.files`.)
 
 A row's prompt is a string (the model reads it as is) or a list of chat messages, TRL's conversational format
 ``[{"role": "system" | "user" | "assistant" | "tool", "content": str}, ...]``, which goes through the

@@ -2,7 +2,7 @@
 
 After a checkpoint is written, the main process takes a hard-linked snapshot of it (instant: the checkpoint may be
 rotated away meanwhile), and a background thread exports it as a model folder (the recipe passes
-:func:`grpo_accel.recipe.export.export_checkpoint`) and uploads it with ``huggingface_hub``; training goes on. A push still running when the next
+:func:`grpo_accel.run.export.export_checkpoint`) and uploads it with ``huggingface_hub``; training goes on. A push still running when the next
 checkpoint comes is let be and that checkpoint skipped (``always_push`` waits for it instead, as TRL's
 ``hub_always_push``). A push that fails is one warning line: the run goes on and the checkpoint stays where it is.
 The end of training waits for the last push.
@@ -16,40 +16,12 @@ import os
 import shutil
 import tempfile
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from grpo_accel.recipe.checks import check_choice, check_key
+from grpo_accel.config.outputs import HubConfig
 
 log = logging.getLogger(__name__)
-STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
-
-
-@dataclass
-class HubConfig:
-    push: bool = False
-    """Upload the trained model to the Hub (TRL's push_to_hub): the exported model folder at the repository's root."""
-    model_id: str | None = None
-    """The repository, namespace/name or a name under the token's user; null: output_dir's folder name (TRL's)."""
-    strategy: str = "every_save"
-    """When: end (once, after training), every_save (after every checkpoint), checkpoint (that, and the newest
-    checkpoint folder under last-checkpoint/, to resume from), all_checkpoints (every checkpoint in its own folder)."""
-    private: bool | None = None
-    """Create the repository private (null: the Hub's default)."""
-    token: str | None = None
-    """A Hub token with write access (a secret: ${HF_TOKEN} reads the environment); null: the logged-in one."""
-    revision: str | None = None
-    """The branch to push to (null: main)."""
-    always_push: bool = False
-    """Wait for a push still running rather than skip a checkpoint."""
-    endpoint: str | None = None
-    """The Hub's address (null: HF_ENDPOINT, else huggingface.co): a private Hub or a mirror."""
-
-    def __post_init__(self) -> None:
-        check_choice("hub.strategy", self.strategy, STRATEGIES)
-        check_key(self.model_id is None or self.model_id.count("/") <= 1, "hub.model_id", self.model_id,
-                  "use name or namespace/name.")
 
 
 class HubPusher:

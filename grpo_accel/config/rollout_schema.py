@@ -1,11 +1,11 @@
 """The config sections of how completions are made, scored and kept current: ``rollout`` (the engine and the
 batches it samples), ``rewards`` (one entry per reward) and ``weight_sync`` (pushing trained weights to SGLang).
-The rest of the schema is :mod:`grpo_accel.recipe.schema`."""
+The rest of the schema is :mod:`grpo_accel.config.schema`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from grpo_accel.recipe.checks import check_choice, check_key, check_rules
+from grpo_accel.config.checks import check_choice, check_key, check_rules
 from grpo_accel.rules import DTYPES
 from grpo_accel.sglang.api import LOAD_FORMATS, PAUSE_MODES
 

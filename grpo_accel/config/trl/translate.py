@@ -18,7 +18,7 @@ that factor (``num_train_epochs``: epochs x the dataset's rows x num_generations
 take TRL's defaults where grpo_accel's differ (a linear schedule, clip range 0.2 on both sides, Adam's beta2 0.999,
 seed 42, 512 new tokens, 3 epochs, logging every 10 steps, saving every 500).
 
-Every key is in one of :mod:`grpo_accel.recipe.trl_fields`' lists: translated by the rules below, named once as
+Every key is in one of :mod:`grpo_accel.config.trl.fields`' lists: translated by the rules below, named once as
 having no effect here, or refused in one line with the reason. A file may mix TRL's flat names with grpo_accel's
 settings (nested sections or dotted keys): each is read by its own side, and a setting given by both is an error.
 """
@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from grpo_accel.recipe.checks import ConfigError
-from grpo_accel.recipe.trl_fields import NO_EFFECT, REFUSED, TRANSLATED, TRL_KEYS
-from grpo_accel.recipe.trl_rules import (TRL_DEFAULTS, Translation, TrlLayout, evaluation_rules, logging_rules, reward_rules,
+from grpo_accel.config.checks import ConfigError
+from grpo_accel.config.trl.fields import NO_EFFECT, REFUSED, TRANSLATED, TRL_KEYS
+from grpo_accel.config.trl.rules import (TRL_DEFAULTS, Translation, TrlLayout, evaluation_rules, logging_rules, reward_rules,
                                          vllm_rules)
 
 LOSS_TYPES = {"grpo": "seq_mean_token_mean", "dapo": "token_mean", "dr_grpo": "seq_mean_token_sum_norm"}
@@ -53,7 +53,7 @@ DIRECT = {name: t.key for name, t in TRANSLATED.items() if name not in RULED}
 def trl_keys(data: dict) -> set[str]:
     """The keys of ``data`` that are TRL's: its names, less those that are grpo_accel's sections here (``optim``
     as a mapping) or settings of both (``output_dir``)."""
-    from grpo_accel.recipe.schema import GRPOConfig
+    from grpo_accel.config.schema import GRPOConfig
 
     ours = set(GRPOConfig.__dataclass_fields__)
     return {k for k in data if k in TRL_KEYS and not (k in ours and (isinstance(data[k], dict) or k == "output_dir"))}

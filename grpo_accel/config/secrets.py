@@ -25,7 +25,7 @@ import os
 import re
 from typing import Any, Iterator
 
-from grpo_accel.recipe.checks import ConfigError
+from grpo_accel.config.checks import ConfigError
 
 SECRET_SETTINGS = ("rollout.api_key", "weight_sync.admin_api_key", "rewards[].api_key", "hub.token")
 """Settings that hold a secret, a reward entry's fields as ``rewards[].field``."""

@@ -7,9 +7,9 @@ keys the recipe scripts built on TRL add (open-r1's ``grpo.py``), in one of thre
 * :data:`REFUSED`: it would change what the user gets and that cannot be done here: one line with the reason.
   A refused field at a value that asks for nothing (TRL's default, "off") is accepted as having no effect.
 
-:mod:`grpo_accel.recipe.trl_config` reads a file by these lists, the unknown-key error names a TRL key's
+:mod:`grpo_accel.config.trl.translate` reads a file by these lists, the unknown-key error names a TRL key's
 counterpart (:func:`trl_hint`), ``docs/pages/coming-from-trl.md`` is rendered from them
-(:func:`grpo_accel.recipe.reference.trl_markdown`), and a
+(:func:`grpo_accel.config.reference.trl_markdown`), and a
 test enumerates the dataclasses of the installed ``trl`` and fails on a field in none of them.
 
 Units: a *frame* is one completion; a *batch* is one collected batch (``rollout.prompts_per_batch`` prompts x

@@ -1,4 +1,4 @@
-"""The pieces of :mod:`grpo_accel.recipe.trl_config`: TRL's batch arithmetic (:class:`TrlLayout`), the translation
+"""The pieces of :mod:`grpo_accel.config.trl.translate`: TRL's batch arithmetic (:class:`TrlLayout`), the translation
 being built (:class:`Translation`: each setting with the line and the TRL key it came from), and the rules for TRL's
 logging, evaluation, vLLM and reward keys."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import importlib.util
 import math
 from typing import Any, Callable
 
-from grpo_accel.recipe.checks import ConfigError
+from grpo_accel.config.checks import ConfigError
 
 TRL_DEFAULTS = {  # TRL 1.16's, where they matter here
     "learning_rate": 1e-6, "lr_scheduler_type": "linear", "adam_beta1": 0.9, "adam_beta2": 0.999, "epsilon": 0.2,
@@ -84,7 +84,7 @@ class Translation:
         return self.trl.get(name, TRL_DEFAULTS.get(name))
 
     def put(self, key: str, value: Any, line: str, source: str = "") -> None:
-        from grpo_accel.recipe.secrets import REDACTED, is_secret
+        from grpo_accel.config.secrets import REDACTED, is_secret
 
         self.settings[key] = value
         self.sources[key] = source

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 from grpo_accel.errors import UserError
-from grpo_accel.recipe.checks import ConfigError
-from grpo_accel.recipe.loading import changed_settings, resume_conflicts
-from grpo_accel.recipe.secrets import record, redact, redact_text
+from grpo_accel.config.checks import ConfigError
+from grpo_accel.config.loading import changed_settings, resume_conflicts
+from grpo_accel.config.secrets import record, redact, redact_text
 from grpo_accel.runtime import command_line
 
 logger = logging.getLogger(__name__)

@@ -166,10 +166,10 @@ def load_policy(checkpoint: Path):
 
 def _lora_policy(checkpoint: Path, adapter_state: dict):
     from grpo_accel.checkpoint import Checkpoint
-    from grpo_accel.recipe.checks import ConfigError
-    from grpo_accel.recipe.loading import build_section
+    from grpo_accel.config.checks import ConfigError
+    from grpo_accel.config.loading import build_section
     from grpo_accel.recipe.parts import build_tokenizer_and_model, lora_policy
-    from grpo_accel.recipe.schema import ModelConfig
+    from grpo_accel.config.schema import ModelConfig
 
     run = Checkpoint.read_metadata(checkpoint).get("user", {}).get("config")
     if run is None:

@@ -19,10 +19,10 @@ from typing import Any
 
 import yaml
 
-from grpo_accel.recipe.checks import ConfigError, check_key
-from grpo_accel.recipe.rollout_schema import RewardConfig
-from grpo_accel.recipe.schema import GRPOConfig
-from grpo_accel.recipe.trl_fields import trl_hint
+from grpo_accel.config.checks import ConfigError, check_key
+from grpo_accel.config.rollout_schema import RewardConfig
+from grpo_accel.config.schema import GRPOConfig
+from grpo_accel.config.trl.fields import trl_hint
 
 log = logging.getLogger(__name__)
 
@@ -104,10 +104,10 @@ def key_problems(cls, data: Any, prefix: str) -> list[str]:
 
 
 def from_trl(data: dict, path: Path) -> dict:
-    """``data`` with its dotted keys nested; where it holds ``trl grpo`` keys (:mod:`grpo_accel.recipe.trl_config`),
+    """``data`` with its dotted keys nested; where it holds ``trl grpo`` keys (:mod:`grpo_accel.config.trl.translate`),
     their translation, said once (one line per setting), under grpo_accel's own settings of the same file. A
     setting that both give is an error naming the two."""
-    from grpo_accel.recipe.trl_config import translation, trl_keys
+    from grpo_accel.config.trl.translate import translation, trl_keys
 
     if not isinstance(data, dict):
         return data
@@ -141,7 +141,7 @@ def from_trl(data: dict, path: Path) -> dict:
 def _dataset_rows(settings: dict) -> int:
     """Rows of the training data the translated ``settings`` (dotted keys) name (TRL's num_train_epochs counts passes
     over it)."""
-    from grpo_accel.recipe.dataset import load_rows
+    from grpo_accel.data.files import load_rows
 
     if settings.get("data.path") is None:
         raise ConfigError("num_train_epochs: a TRL config needs dataset_name (a file, a saved folder or a hub id) to "
@@ -241,7 +241,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         check_key(isinstance(value, (int, float)) and not isinstance(value, bool), key, value, "must be a number.")
         return float(value)
     if tp is str:
-        from grpo_accel.recipe.secrets import REDACTED, is_secret
+        from grpo_accel.config.secrets import REDACTED, is_secret
 
         check_key(isinstance(value, str), key, REDACTED if is_secret(key) else value, "must be a string." + (
             " YAML reads no/yes/on/off as false/true: quote it, e.g. 'no'." if isinstance(value, bool) else ""))

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Callable, Mapping
 
-from grpo_accel.data import DataError, check_messages
+from grpo_accel.data.prompts import DataError, check_messages
 
 DATASET_FILES = (".jsonl", ".json", ".parquet", ".csv")
 

@@ -1,9 +1,9 @@
 """Typed run configuration: one dataclass per section, a docstring under every field. YAML files and ``key=value``
-overrides become a :class:`GRPOConfig` through :func:`grpo_accel.recipe.loading.load_config`.
+overrides become a :class:`GRPOConfig` through :func:`grpo_accel.config.loading.load_config`.
 
 Units are in the names: ``prompts_per_batch`` counts prompts, ``micro_batch_completions`` counts completions.
 Every error names the key, the value and the fix. The rollout, rewards and weight_sync sections are in
-:mod:`grpo_accel.recipe.rollout_schema`.
+:mod:`grpo_accel.config.rollout_schema`.
 
 Example:
     >>> cfg = load_config("launch/configs/default.yaml", ["trainer.total_frames=256", "rollout.group_size=4"])
@@ -15,12 +15,12 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass, field
 
-from grpo_accel.data import OVERLONG
-from grpo_accel.recipe.checks import check_choice, check_key, check_rules
-from grpo_accel.recipe.defaults import fill_model_defaults
-from grpo_accel.recipe.hub import HubConfig
-from grpo_accel.recipe.rollout_schema import RewardConfig, RolloutConfig, WeightSyncConfig
-from grpo_accel.recipe.secrets import expand_secrets
+from grpo_accel.data.prompts import OVERLONG
+from grpo_accel.config.checks import check_choice, check_key, check_rules
+from grpo_accel.config.defaults import fill_model_defaults
+from grpo_accel.config.outputs import CheckpointConfig, EvalConfig, HubConfig
+from grpo_accel.config.rollout_schema import RewardConfig, RolloutConfig, WeightSyncConfig
+from grpo_accel.config.secrets import expand_secrets
 from grpo_accel.rules import TRAINING_DTYPES
 from grpo_accel.tasks import BUILTIN_TASKS
 from grpo_accel.tasks.tiny import TinyModelSpec  # the built-in model's sizes, written once there
@@ -69,7 +69,7 @@ class ModelConfig:
     gradient_checkpointing: bool | None = None
     """Recompute activations in backward instead of storing them (less memory, ~30% more compute); null follows
     the model and the hardware: on for a named model on a CUDA device (TRL's default), off on a CPU and for the
-    built-in model (grpo_accel.recipe.defaults)."""
+    built-in model (grpo_accel.config.defaults)."""
     attn_implementation: str | None = None
     """Attention kernels, as transformers' from_pretrained takes them: sdpa, eager, flash_attention_2 (needs the
     flash-attn package and a GPU), flash_attention_3, flex_attention, or a hub kernel (org/repo); null:
@@ -212,7 +212,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 class OptimConfig:
     lr: float | None = None
     """AdamW learning rate (the peak, after warmup); null follows the model: 1e-6 for a model named by
-    model.name_or_path (TRL's default), 3e-4 for the built-in tiny one (grpo_accel.recipe.defaults)."""
+    model.name_or_path (TRL's default), 3e-4 for the built-in tiny one (grpo_accel.config.defaults)."""
     weight_decay: float = 0.0
     """AdamW weight decay (decoupled)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
@@ -268,7 +268,7 @@ class GRPOTrainerConfig:
     mixed_precision: str | None = None
     """Autocast for forward/backward: no | bf16 | fp16 (fp16 adds a gradient scaler); null follows the model and the
     hardware: bf16 for a named model on a CUDA device (fp16 on one without bfloat16), as TRL's default; no on a
-    CPU and for the built-in model (grpo_accel.recipe.defaults)."""
+    CPU and for the built-in model (grpo_accel.config.defaults)."""
     async_collection: bool = False
     """Generate the next batches in a background thread while optimising (the engine gets its own weights copy)."""
     max_staleness: int | None = 1
@@ -316,7 +316,7 @@ class GRPOTrainerConfig:
         check_choice("trainer.log_level", self.log_level, LOG_LEVELS)
         check_key(self.micro_batch_completions == "auto" or self.micro_batch_completions >= 1,
                   "trainer.micro_batch_completions", self.micro_batch_completions, "must be >= 1 or auto.")
-        if self.mixed_precision is not None:  # null: filled by GRPOConfig (grpo_accel.recipe.defaults)
+        if self.mixed_precision is not None:  # null: filled by GRPOConfig (grpo_accel.config.defaults)
             check_choice("trainer.mixed_precision", self.mixed_precision, ("no", "bf16", "fp16"))
         from grpo_accel.reporting.trackers import TRACKERS
 
@@ -326,41 +326,6 @@ class GRPOTrainerConfig:
                   "name each tracker once.")
         check_key(set(self.tracker_kwargs) <= set(self.report_to), "trainer.tracker_kwargs", self.tracker_kwargs,
                   f"give arguments only for trackers in trainer.report_to={self.report_to}.")
-
-
-@dataclass
-class EvalConfig:
-    every_iterations: int = 0
-    """Evaluate every this many iterations on the held-out rows; 0 turns evaluation off."""
-    k: int = 4
-    """Samples per prompt for pass@k."""
-    success_threshold: float = 1.0
-    """A sample passes when a reward function's value reaches this."""
-
-    def __post_init__(self) -> None:
-        check_rules("eval", self, every_iterations="non_negative_count", k="positive_count")
-
-
-@dataclass
-class CheckpointConfig:
-    interval_frames: int | None = 12800
-    """Save every this many frames (completions); null: only at the end and when stopped (signal, request)."""
-    resume: str | None = None
-    """null: start fresh; "auto": newest complete checkpoint in output_dir/checkpoints (fresh if none); or a folder."""
-    keep_last: int = 3
-    """Complete checkpoints kept (the newest is never deleted)."""
-    keep_best: int = 0
-    """Additionally keep this many best checkpoints by best_metric."""
-    best_metric: str = "train/reward_mean"
-    """The logged scalar that ranks checkpoints for keep_best."""
-    best_mode: str = "max"
-    """"max" or "min": which end of best_metric is best."""
-    legacy_file: str | None = None
-    """Also write a single-file torch payload here (the spec's save_trainer_file; read by load_from_file)."""
-
-    def __post_init__(self) -> None:
-        check_rules("checkpoint", self, interval_frames="optional_count", keep_last="keep_last",
-                    keep_best="non_negative_count", best_mode="best_mode")
 
 
 @dataclass
@@ -384,7 +349,7 @@ class GRPOConfig:
     hub: HubConfig = field(default_factory=HubConfig)
 
     def __post_init__(self) -> None:
-        # null settings that follow the model and the hardware (grpo_accel.recipe.defaults); what they took is said
+        # null settings that follow the model and the hardware (grpo_accel.config.defaults); what they took is said
         # at start (no field: config.yaml records the values themselves)
         self.followed_defaults = fill_model_defaults(self)
         # secrets written ${NAME} read from the environment; their references are what the run records

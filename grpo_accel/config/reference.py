@@ -1,5 +1,5 @@
 """The configuration reference, read from the schema: every key with its type, default and meaning (the docstring
-under its field in :mod:`grpo_accel.recipe.schema` and :mod:`grpo_accel.recipe.rollout_schema`). One text serves
+under its field in :mod:`grpo_accel.config.schema` and :mod:`grpo_accel.config.rollout_schema`). One text serves
 ``grpo-accel train --help`` and the documentation's configuration page (docs/hooks.py renders it there)."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import json
 import textwrap
 from dataclasses import dataclass
 
-from grpo_accel.recipe.rollout_schema import RewardConfig
-from grpo_accel.recipe.schema import GRPOConfig
+from grpo_accel.config.rollout_schema import RewardConfig
+from grpo_accel.config.schema import GRPOConfig
 
 
 @dataclass(frozen=True)
@@ -85,9 +85,9 @@ def markdown() -> str:
 
 
 def trl_markdown() -> str:
-    """The three lists of :mod:`grpo_accel.recipe.trl_fields` as the docs' tables (docs/pages/coming-from-trl.md,
+    """The three lists of :mod:`grpo_accel.config.trl.fields` as the docs' tables (docs/pages/coming-from-trl.md,
     rendered at build time)."""
-    from grpo_accel.recipe.trl_fields import NO_EFFECT, REFUSED, TRANSLATED
+    from grpo_accel.config.trl.fields import NO_EFFECT, REFUSED, TRANSLATED
 
     def rows(entries):
         return "\n".join(entries)
