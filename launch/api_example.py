@@ -22,16 +22,15 @@ from grpo_accel.distributed import make_accelerator
 from grpo_accel.rewards import RewardSet, answer_match, format_match
 from grpo_accel.rollout.collector import GRPOCollector
 from grpo_accel.embedded.engine import EmbeddedEngine
-from grpo_accel.distributed.deepspeed_files import launched_zero_stage
-from grpo_accel.runtime import configure_allocator, configure_threads, exit_skipping_teardown
+from grpo_accel.runtime import start_process
+from grpo_accel.runtime.signals import exit_skipping_teardown
 from grpo_accel.tasks.addition import addition_rows
 from grpo_accel.tasks.tiny import build_char_tokenizer, build_tiny_model
 from grpo_accel.embedded.sender import EmbeddedWeightSync
 
 
 def main(total_frames: int = 1280) -> GRPOTrainer:
-    configure_threads()
-    configure_allocator(zero3=launched_zero_stage() == 3)  # freed memory kept for the next step, unless ZeRO-3
+    start_process()  # threads per process, the allocator for the ZeRO stage
     accelerator = make_accelerator()  # gloo on CPU, so that several processes really form a group
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(tokenizer, seed=0)

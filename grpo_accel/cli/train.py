@@ -79,16 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_frames=256")
     args = parser.parse_args(argv)
     quiet_console()
-    from grpo_accel.distributed.deepspeed_files import launched_zero_stage
-    from grpo_accel.runtime import configure_allocator, configure_threads
+    from grpo_accel.runtime import start_process
     from grpo_accel.shipped import find
 
     cfg = load_config(args.config and find("recipe", args.config), args.overrides)
     if cfg.trainer.log_level != "info":  # info: the console's own level (quiet_console)
         logging.getLogger("grpo_accel").setLevel(cfg.trainer.log_level.upper())
     sys.argv[1:] = [redact_text(arg) for arg in sys.argv[1:]]  # trackers record the command line (W&B's args)
-    configure_threads()
-    configure_allocator(zero3=launched_zero_stage() == 3)
+    start_process()  # threads per process, the allocator for the ZeRO stage
     start = time.perf_counter()
     lock = RunFolderLock(cfg.output_dir) if first_process() else None
     if lock is not None:
@@ -217,7 +215,7 @@ def said(line: str, log_with=None) -> None:
 
 def script_main(argv: list[str] | None = None) -> None:
     """The process's whole life: :func:`main_reporting_errors`, then exit (skipping a teardown that can hang)."""
-    from grpo_accel.runtime import exit_skipping_teardown, terminal_foreground
+    from grpo_accel.runtime.signals import exit_skipping_teardown, terminal_foreground
 
     with terminal_foreground():  # Ctrl-C reaches the trainer alone, not Accelerate's launcher too
         code = main_reporting_errors(argv)

@@ -144,7 +144,7 @@ def make_accelerator(gradient_accumulation_steps: int = 1, mixed_precision: str 
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
-    from grpo_accel.runtime import clear_stale_build_locks, skip_deepspeed_shm_op
+    from grpo_accel.runtime.build_locks import clear_stale_build_locks, skip_deepspeed_shm_op
 
     world = launch_world_size()
     cpu_only = not torch.cuda.is_available()

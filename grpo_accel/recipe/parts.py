@@ -159,7 +159,7 @@ def build_policy(cfg: ModelConfig, tokenizer, with_reference: bool, seed: int = 
     """(policy, reference or None). With ``lora.r`` the policy is the model with a fresh LoRA adapter and the
     reference is that model with its adapter off; otherwise the reference is a second, frozen load of the same
     weights (under ZeRO-3 partitioned like the policy; never a copy of a whole model)."""
-    from grpo_accel.runtime import freed_memory_returned
+    from grpo_accel.runtime.resources import freed_memory_returned
 
     with freed_memory_returned():  # the whole weights zero.Init makes, then shards, do not stay in the heap
         model = build_model(cfg, tokenizer, seed)

@@ -21,7 +21,7 @@ from grpo_accel.errors import UserError
 from grpo_accel.config.checks import ConfigError
 from grpo_accel.config.loading import changed_settings, resume_conflicts
 from grpo_accel.config.secrets import record, redact, redact_text
-from grpo_accel.runtime import command_line
+from grpo_accel.runtime.build_locks import command_line
 
 logger = logging.getLogger(__name__)
 

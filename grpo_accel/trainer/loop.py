@@ -29,7 +29,7 @@ from grpo_accel.checkpoint import Checkpoint, module_signature
 from grpo_accel.contracts import Collector, LossModule, OptimizationStepper, as_logger, as_weight_sender
 from grpo_accel.distributed import any_process, configure_deepspeed_for
 from grpo_accel.reporting.reporter import Reporter, ReportSettings
-from grpo_accel.runtime import stop_on_signals
+from grpo_accel.runtime.signals import stop_on_signals
 from grpo_accel.trainer.args import accelerator_for, check_arguments, replay_buffer_for
 from grpo_accel.trainer.background import BackgroundCollector, drop_stale
 from grpo_accel.trainer.buffer import ReplayBuffer

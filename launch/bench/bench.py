@@ -106,14 +106,12 @@ def run(args) -> dict | None:
     from grpo_accel.distributed import full_numel, launch_world_size, zero_stage
     from grpo_accel.recipe.build import build_trainer, close_parts
     from grpo_accel.rollout.collector import score_rollout
-    from grpo_accel.distributed.deepspeed_files import launched_zero_stage
-    from grpo_accel.runtime import configure_allocator, configure_threads
+    from grpo_accel.runtime import start_process
 
     if (args.items or args.loop) and launch_world_size() > 1:
         raise SystemExit(f"launch/bench/bench.py: {'--items' if args.items else '--loop'} measures on one process; run it "
                          "without accelerate launch or with accelerate_configs/single_process.yaml.")
-    threads = configure_threads()
-    configure_allocator(zero3=launched_zero_stage() == 3)  # as launch/train.py does
+    threads, _ = start_process()
     dtype = getattr(torch, args.dtype)
     tokenizer, model = _tokenizer_and_model(args)
     model = model.to(dtype)
@@ -371,6 +369,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from grpo_accel.runtime import exit_skipping_teardown
+    from grpo_accel.runtime.signals import exit_skipping_teardown
 
     exit_skipping_teardown(main())

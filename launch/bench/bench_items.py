@@ -19,7 +19,7 @@ import torch
 from tensordict import TensorDict
 
 from grpo_accel import batch
-from grpo_accel.runtime import release_freed_memory
+from grpo_accel.runtime.resources import release_freed_memory
 
 BIG_VOCAB, BIG_TOKENS = 32768, 4096  # the chunked-logprob item: a realistic vocabulary and micro-batch
 RAGGED_COMPLETION = 128  # packing and trimming items: completions of 32..128 tokens (4x), prompts of 8..16

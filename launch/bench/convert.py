@@ -34,14 +34,13 @@ def process_main(args) -> None:
     """One process of the resumed launch: build, then load the checkpoint, sampled; one JSON line."""
     from start_memory import PhaseSampler, say
 
-    from grpo_accel.distributed.deepspeed_files import launched_zero_stage
     from grpo_accel.recipe.build import build_trainer
     from grpo_accel.config.loading import load_config
-    from grpo_accel.runtime import configure_allocator, configure_threads, exit_skipping_teardown
+    from grpo_accel.runtime import start_process
+    from grpo_accel.runtime.signals import exit_skipping_teardown
     from grpo_accel.checkpoint import converted, file_manifest
 
-    configure_threads()
-    configure_allocator(zero3=launched_zero_stage() == 3)
+    start_process()  # threads per process, the allocator for the ZeRO stage
     cfg = load_config(None, [*settings(Path(args.model), Path(args.output_dir)), "checkpoint.resume=auto",
                              "trainer.total_frames=16"])  # one batch more than saved: a resume, not a finished run
     sampler = PhaseSampler()

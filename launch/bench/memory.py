@@ -34,13 +34,12 @@ def process_main(args) -> None:
     """One process of a launch: the run, its phases sampled; one JSON line."""
     from start_memory import PhaseSampler, say
 
-    from grpo_accel.distributed.deepspeed_files import launched_zero_stage
     from grpo_accel.recipe.build import build_trainer, close_parts
     from grpo_accel.config.loading import load_config
-    from grpo_accel.runtime import configure_allocator, configure_threads, exit_skipping_teardown
+    from grpo_accel.runtime import start_process
+    from grpo_accel.runtime.signals import exit_skipping_teardown
 
-    configure_threads()  # as grpo-accel train sets them
-    configure_allocator(zero3=launched_zero_stage() == 3)
+    start_process()  # threads per process, the allocator for the ZeRO stage
     cfg = load_config(None, [
         f"model.name_or_path={args.model}", "loss.kl_coef=0.1", "rollout.backend=sglang", f"rollout.urls=[{args.url}]",
         "weight_sync.backend=gloo", f"weight_sync.master_port={args.master_port}", f"weight_sync.bucket_mb={args.bucket_mb}",

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from grpo_accel.distributed import uses_deepspeed, zero_stage  # noqa: E402
 from grpo_accel.recipe.build import build_trainer  # noqa: E402
 from grpo_accel.config.loading import load_config  # noqa: E402
-from grpo_accel.runtime import configure_threads  # noqa: E402
+from grpo_accel.runtime import start_process  # noqa: E402
 
 
 def whole_state(trainer) -> dict:
@@ -58,7 +58,7 @@ def whole_state(trainer) -> dict:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the start lines, as the CLI's
-    configure_threads()
+    start_process()
     cfg = load_config(None, sys.argv[1:])
     trainer = build_trainer(cfg)
     trainer.load_from_file(trainer.checkpoint.resume_path())

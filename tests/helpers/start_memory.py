@@ -85,13 +85,11 @@ def main(folder: str, *overrides: str) -> None:
 
     import grpo_accel.recipe.parts as parts
     from grpo_accel.distributed import local_parameter_fraction
-    from grpo_accel.distributed.deepspeed_files import launched_zero_stage
     from grpo_accel.recipe.build import build_trainer
     from grpo_accel.config.loading import load_config
-    from grpo_accel.runtime import configure_allocator, configure_threads
+    from grpo_accel.runtime import start_process
 
-    configure_threads()  # as grpo-accel train sets them
-    kept = configure_allocator(zero3=launched_zero_stage() == 3)
+    _, kept = start_process()  # as grpo-accel train starts
     cfg = load_config(None, [f"model.name_or_path={folder}", "loss.kl_coef=0.1", "rollout.max_new_tokens=2",
                              "rollout.prompts_per_batch=4", "rollout.group_size=2", "trainer.total_frames=8",
                              f"output_dir={os.environ['RUN_FOLDER']}", *overrides])

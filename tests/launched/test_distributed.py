@@ -312,7 +312,7 @@ def test_a_bad_deepspeed_file_stops_the_run_before_any_process_group(tmp_path, m
 def test_torch_threads_per_process(monkeypatch, env, threads):
     import torch
 
-    from grpo_accel.runtime import available_cores, configure_threads
+    from grpo_accel.runtime.resources import available_cores, configure_threads
 
     for key in ("OMP_NUM_THREADS", "ACCELERATE_DYNAMO_BACKEND", "LOCAL_WORLD_SIZE", "ACCELERATE_NUM_PROCESSES",
                 "GRPO_ACCEL_THREADS"):
@@ -332,7 +332,7 @@ def test_a_build_lock_nobody_holds_is_removed_and_a_held_one_is_reported(tmp_pat
     import subprocess
     import time
 
-    from grpo_accel.runtime import clear_stale_build_locks
+    from grpo_accel.runtime.build_locks import clear_stale_build_locks
 
     lock = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock"
     lock.parent.mkdir(parents=True)

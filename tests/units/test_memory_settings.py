@@ -10,7 +10,7 @@ from grpo_accel.distributed.deepspeed_files import read_deepspeed_file
 
 FAULTS_OF_A_STEP = """
 import ctypes, resource, sys, torch
-from grpo_accel.runtime import configure_allocator, keep_freed_memory
+from grpo_accel.runtime.resources import configure_allocator, keep_freed_memory
 kept = {"default": lambda: None, "kept": keep_freed_memory, "zero3": lambda: configure_allocator(zero3=True),
         "not zero3": lambda: configure_allocator(zero3=False)}[sys.argv[1]]()
 def step():  # two 64 MiB tensors allocated, touched and freed, as a training step's activations are

@@ -86,7 +86,7 @@ def test_readme_training_command_runs_as_written(command, tmp_path):
     out = tmp_path / "run"
     run_as_written(command, [f"output_dir={out}", "trainer.total_frames=256", "trainer.progress_bar=false"], timeout=600)
     summary = json.loads((out / "summary.json").read_text())
-    from grpo_accel.runtime import available_cores
+    from grpo_accel.runtime.resources import available_cores
 
     # the cores split over the processes, not accelerate launch's OMP_NUM_THREADS=1 (one core for one process)
     assert summary["torch_threads"] == max(1, available_cores() // summary["num_processes"]), summary

@@ -16,7 +16,7 @@ from launching import ROOT, TINY_FOLDER, run_in_group
 def test_without_a_terminal_a_traceback_starts_with_its_own_cause():
     """Under nohup, SLURM or CI there is no /dev/tty: the run's own error must not read as raised while
     handling that one (the block used to run inside the ``except OSError`` that found no terminal)."""
-    code = "from grpo_accel.runtime import terminal_foreground\nwith terminal_foreground():\n    raise ValueError('x')"
+    code = "from grpo_accel.runtime.signals import terminal_foreground\nwith terminal_foreground():\n    raise ValueError('x')"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, start_new_session=True, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=60)
     assert proc.stderr.count("Traceback") == 1 and proc.stderr.strip().endswith("ValueError: x"), proc.stderr
