@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT))
 # tests/ by what they exercise: units/ (functions and parts in this process), launched/ (real launches of several
 # processes), on_sglang/ (against the SGLang stand-in, which lives there), user/ (as a user meets it: the README,
 # the docs, the command, errors); the helpers every folder imports by name live in helpers/
-sys.path[:0] = [str(ROOT / "tests" / "helpers"), str(ROOT / "tests" / "on_sglang")]
+sys.path[:0] = [str(ROOT / "tests" / "helpers"), str(ROOT / "launch" / "bench")]
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # The caller's thread setting would reach every run the tests launch and change what they check (threads per
 # process = cores / processes): tests that want one set it themselves.
@@ -75,7 +75,7 @@ def qwen_dir(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="session")
 def servers(model_dir):
-    """The SGLang stand-ins (tests/on_sglang/sglang_standin) the tests share: one process per model and release (a start
+    """The SGLang stand-ins (launch/bench/sglang_standin) the tests share: one process per model and release (a start
     costs ~3 s), started at the first test that asks."""
     from sglang_standin.source import VERSIONS
     from sglang_standin.processes import SharedServers

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "helpers")]
+sys.path[:0] = [str(ROOT), str(Path(__file__).parent)]
 
 
 def settings(model: Path, out: Path) -> list[str]:
@@ -32,7 +32,7 @@ def settings(model: Path, out: Path) -> list[str]:
 
 def process_main(args) -> None:
     """One process of the resumed launch: build, then load the checkpoint, sampled; one JSON line."""
-    from start_memory import PhaseSampler, say
+    from common import PhaseSampler, say
 
     from grpo_accel.recipe.build import build_trainer
     from grpo_accel.config.loading import load_config
@@ -72,7 +72,7 @@ def run(command: list[str], what: str) -> str:
 
 def case(spec: str, model: Path) -> list[dict]:
     """Save under CONFIG on SAVED processes, resume on RESUMED: each resumed process's line, by rank."""
-    from launching import free_port
+    from common import free_port
 
     config, saved, resumed = spec.split(":")
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",

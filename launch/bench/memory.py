@@ -6,7 +6,7 @@
 Each accelerate config of ``--configs`` launches ``--processes`` processes of this file (``accelerate launch``); each
 runs the recipe as ``grpo-accel train`` does (its thread and allocator settings, ``build_trainer``, ``train()``) on a
 model folder (default: a Llama of SmolLM2-135M's shape, random weights, with a KL reference) against an SGLang
-stand-in (tests/on_sglang/sglang_standin with ``--kv-cache``), the trained weights pushed to it after every batch
+stand-in (launch/bench/sglang_standin with ``--kv-cache``), the trained weights pushed to it after every batch
 over gloo in buckets of ``--bucket-mb``. Each process samples its anonymous memory (RssAnon) every 2 ms and prints
 one line: its peak during the load (``build_trainer``: the policy, its reference, DeepSpeed's engine), during the
 batches after the first (collection, logprob passes, the optimizer step: steady training), and during the first
@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "helpers"), str(Path(__file__).parent)]
+sys.path[:0] = [str(ROOT), str(Path(__file__).parent)]
 
 CONFIGS = ("zero0", "zero1", "zero2", "zero3", "zero3_offload")
 PROMPTS, GROUP, NEW_TOKENS = 4, 2, 8  # per batch over all processes: 8 completions of 8 tokens
@@ -32,7 +32,7 @@ PROMPTS, GROUP, NEW_TOKENS = 4, 2, 8  # per batch over all processes: 8 completi
 
 def process_main(args) -> None:
     """One process of a launch: the run, its phases sampled; one JSON line."""
-    from start_memory import PhaseSampler, say
+    from common import PhaseSampler, say
 
     from grpo_accel.recipe.build import build_trainer, close_parts
     from grpo_accel.config.loading import load_config
@@ -75,7 +75,7 @@ def process_main(args) -> None:
 
 def launch(config: str, args, url: str) -> list[dict]:
     """One launch of ``config``; each process's line, by rank."""
-    from launching import free_port
+    from common import free_port
 
     with tempfile.TemporaryDirectory() as out:
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     if args.batches < 2:
         raise SystemExit("--batches must be at least 2: steady training is measured after the first batch")
-    from overlap import standin
+    from common import standin
 
     from grpo_accel.tasks.tiny import save_smollm2_shaped
 

@@ -5,7 +5,7 @@
         [--modes sync async] [--decode-delay S] [--out overlap.json]
     PYTHONPATH=. python launch/bench/overlap.py --report RUN_DIR [RUN_DIR ...]
 
-Each run gets a fresh SGLang stand-in (tests/on_sglang/sglang_standin with ``--kv-cache``: its scheduler decodes the
+Each run gets a fresh SGLang stand-in (launch/bench/sglang_standin with ``--kv-cache``: its scheduler decodes the
 running batch on a KV cache, one token per request per step, the pace of a real server for the model, which it
 holds in float32) on this machine's last core, as a server on a machine of its own; the README's command
 (``trainer.log_timings=true``, weights pushed with ``weight_sync.method``) runs on the other cores, one torch
@@ -31,13 +31,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from trl_parity import ROOT, readme_command, tiny_model_folder
-
-sys.path.insert(0, str(ROOT / "tests" / "helpers"))  # the tests' launcher helpers
-from launching import free_port  # noqa: E402
-
-STANDIN = ROOT / "tests" / "on_sglang" / "sglang_standin"  # run as a program
-SGLANG_VERSION = "0.5.23"
+from common import ROOT, free_port, readme_command, standin, tiny_model_folder
 
 
 def batch_times(log_dir: Path, warmup: int) -> dict[str, list[float]]:
@@ -71,33 +65,6 @@ def summary(times: dict[str, list[float]]) -> dict:
             "overlap": statistics.median(s / max(g, t) for s, g, t, _ in per_batch),
             "push_share": statistics.median(p / s for s, _, _, p in per_batch), "batches": len(per_batch),
             "per_batch": times}
-
-
-@contextlib.contextmanager
-def standin(model: Path, cores: set[int], delay: float):
-    """A fresh stand-in on ``cores``, its URL while it runs."""
-    port = free_port()
-    log = tempfile.TemporaryFile()
-    proc = subprocess.Popen([sys.executable, str(STANDIN), "--port", str(port), "--model", str(model),
-                             "--sglang-version", SGLANG_VERSION, "--kv-cache", "--decode-delay", str(delay)],
-                            stdout=log, stderr=subprocess.STDOUT, preexec_fn=lambda: os.sched_setaffinity(0, cores))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=5).read()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    raise SystemExit(f"the stand-in did not start:\n{log.read()[-3000:].decode(errors='replace')}")
-                time.sleep(0.2)
-        yield url
-    finally:
-        proc.kill()
-        proc.wait()
-        log.close()
 
 
 def measure(model: Path, mode: str, method: str, args, cores: tuple[set[int], set[int]]) -> dict:

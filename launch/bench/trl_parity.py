@@ -31,8 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-WORK = {"prompts": 2, "group": 4, "max_new_tokens": 32, "kl_coef": 0.04, "lr": 1e-4}
+from common import ROOT, WORK, readme_command, tiny_model_folder
 
 
 def trl_side(steps: int, warmup: int, model: str | None, threads: int) -> dict:
@@ -68,28 +67,6 @@ def trl_side(steps: int, warmup: int, model: str | None, threads: int) -> dict:
     steps_s = [b - a for a, b in zip(ends[warmup:], ends[warmup + 1:])]
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     return {"step_s": statistics.median(steps_s), "completion_tokens_mean": lengths[-1] if lengths else None}
-
-
-def tiny_model_folder(folder: str | Path) -> Path:
-    """The tiny Qwen2 of the work, saved with its tokenizer in ``folder``."""
-    from grpo_accel.tasks.tiny import build_char_tokenizer, build_tiny_qwen2
-
-    tokenizer = build_char_tokenizer()
-    build_tiny_qwen2(tokenizer, seed=0).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return Path(folder)
-
-
-def readme_command(model: str | Path, out: Path, batches: int, *overrides: str, root: Path = ROOT) -> list[str]:
-    """The README's command on the work, ``batches`` iterations long, writing to ``out``, from the checkout at
-    ``root`` (this environment's ``accelerate``)."""
-    return [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
-            str(root / "accelerate_configs" / "single_process.yaml"), str(root / "launch" / "train.py"),
-            f"model.name_or_path={model}", "data.max_operand=49",
-            f"rollout.prompts_per_batch={WORK['prompts']}", f"rollout.group_size={WORK['group']}",
-            f"rollout.max_new_tokens={WORK['max_new_tokens']}", f"loss.kl_coef={WORK['kl_coef']}",
-            f"optim.lr={WORK['lr']}", f"trainer.total_frames={batches * WORK['prompts'] * WORK['group']}",
-            f"output_dir={out}", *overrides]
 
 
 def command_side(steps: int, warmup: int, env: dict, model: str | None, root: Path = ROOT) -> dict:

@@ -6,24 +6,19 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
+sys.path.insert(0, str(ROOT / "launch" / "bench"))
+from common import free_port  # noqa: E402,F401  (the bench's; tests import it from here)
 
 
 TINY_FOLDER = ("rollout.max_new_tokens=4", "optim.lr=3e-4")
 """The built-in tiny model's settings for a tiny model given as a folder: a model named by model.name_or_path
 takes a pretrained model's defaults (grpo_accel.config.defaults), 256 new tokens over its 128-token context."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_in_group(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:

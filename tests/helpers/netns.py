@@ -2,7 +2,7 @@
 by the test, removed after it; root is needed, which these machines give). A process started in one reaches the
 other only through that pair, so an address that works only on loopback fails there.
 
-Plain subprocess and urllib here, as in tests/on_sglang/sglang_standin/processes.py: nothing of grpo_accel's own client."""
+Plain subprocess and urllib here, as in launch/bench/sglang_standin/processes.py: nothing of grpo_accel's own client."""
 import contextlib
 import json
 import shutil

@@ -10,71 +10,12 @@ buffers), ``generation`` (the first batch: the collector's rollouts and rewards)
 set: the first process reads the checkpoint through a memory map, whose pages are the page cache every process
 shares, not memory a process holds.
 """
-import json
 import os
 import sys
-import threading
-import time
+from pathlib import Path
 
-
-def anonymous_bytes() -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
-
-
-class PhaseSampler:
-    """Each phase's peak of this process's anonymous memory, sampled every ``every_s`` seconds on a thread."""
-
-    def __init__(self, every_s: float = 0.002) -> None:
-        self.phase, self.peaks, self.every_s = "start", {}, every_s
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-        self.thread.start()
-
-    def enter(self, phase: str) -> int:
-        """Begin ``phase``; returns the anonymous memory now (counted in the phase that ends)."""
-        now = self._record()
-        self.phase = phase
-        return now
-
-    def stop(self) -> dict[str, int]:
-        self.done.set()
-        self.thread.join()
-        self._record()
-        return self.peaks
-
-    def _record(self) -> int:
-        now = anonymous_bytes()
-        self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), now)
-        return now
-
-    def _sample(self) -> None:
-        while not self.done.is_set():
-            self._record()
-            time.sleep(self.every_s)
-
-
-def say(result: dict) -> None:
-    """``result`` as one JSON line on stdout in one write: the processes share the pipe, and a line written whole
-    (under the pipe's 4 KiB) is never cut by another's (print's text and newline are two writes, unbuffered)."""
-    line = (json.dumps(result) + "\n").encode()
-    assert len(line) < 4096, "longer lines may interleave"
-    os.write(sys.stdout.fileno(), line)
-
-
-def around(owner, name: str, sampler: PhaseSampler, phase: str, after: str, held: dict) -> None:
-    """``owner.name`` runs in ``phase``, then ``after`` begins; ``held[phase]``: the memory held when it was called
-    and when it returned."""
-    function = getattr(owner, name)
-
-    def timed(*args, **kwargs):
-        before = sampler.enter(phase)
-        try:
-            return function(*args, **kwargs)
-        finally:
-            held[phase] = (before, sampler.enter(after))
-
-    setattr(owner, name, timed)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "launch" / "bench"))
+from common import PhaseSampler, anonymous_bytes, around, say  # noqa: E402  the bench's memory sampling
 
 
 def main(folder: str, *overrides: str) -> None:

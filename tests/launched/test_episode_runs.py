@@ -36,7 +36,7 @@ def short_turns(tok, tmp_path_factory):
 
 
 def test_episodes_on_sglang_send_each_turn_as_input_ids(tok, short_turns):
-    """Against the SGLang stand-in (tests/on_sglang/sglang_standin): each turn is a /generate with the conversation's
+    """Against the SGLang stand-in (launch/bench/sglang_standin): each turn is a /generate with the conversation's
     ids; the server's logprobs of the model's tokens equal the trainer's over the finished episode, and seeds
     make episodes reproducible."""
     from transformers import AutoModelForCausalLM

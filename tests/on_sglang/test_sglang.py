@@ -1,4 +1,4 @@
-"""SGLang: the HTTP engine and the weight senders against tests/on_sglang/sglang_standin, a loopback server built from
+"""SGLang: the HTTP engine and the weight senders against launch/bench/sglang_standin, a loopback server built from
 SGLang's own code and source (its request classes, auth decision, group join and session guards), for the oldest
 and newest supported release."""
 import hashlib

@@ -1,6 +1,6 @@
 """grpo_accel's SGLang client against SGLang's own source, release by release (the ends of the supported range).
 
-The source is each release's wheel (tests/on_sglang/sglang_standin/source.py): the request classes and the group join are SGLang's
+The source is each release's wheel (launch/bench/sglang_standin/source.py): the request classes and the group join are SGLang's
 code, run here; the routes, auth levels and session guards are read from its files.
 """
 import subprocess

@@ -1,4 +1,4 @@
-"""SGLang under load, against the stand-in paced like a large model (tests/on_sglang/sglang_standin --decode-delay):
+"""SGLang under load, against the stand-in paced like a large model (launch/bench/sglang_standin --decode-delay):
 weight pushes that land while requests are in flight (partial rollouts, both pause modes), context limits,
 requests sized for the work, a tensor-parallel server's ranks, dp attention, and a 2-process ZeRO-3 run that
 collects asynchronously."""

@@ -1,4 +1,4 @@
-"""GRPO runs that sample from and sync weights to the SGLang stand-in (tests/on_sglang/sglang_standin): ZeRO-3 with and
+"""GRPO runs that sample from and sync weights to the SGLang stand-in (launch/bench/sglang_standin): ZeRO-3 with and
 without LoRA, the disk path, a sync that keeps failing and its resume, an unreachable server, launch/sglang.sh.
 The helpers here (a run's arguments, the weights a run ends with) serve test_sglang_load.py too."""
 import json

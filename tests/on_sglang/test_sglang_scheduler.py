@@ -1,4 +1,4 @@
-"""SGLang as its scheduler behaves (tests/on_sglang/sglang_standin/scheduler.py): a KV pool that admits what it holds and queues the
+"""SGLang as its scheduler behaves (launch/bench/sglang_standin/scheduler.py): a KV pool that admits what it holds and queues the
 rest, aborts that answer waiting requests with nothing, dp ranks that answer one by one, requests that time out,
 and colocated servers that die where SGLang dies; and the client and trainer making progress on all of it."""
 import json

@@ -20,7 +20,7 @@ ELSEWHERE = {  # how a command starts -> why it does not run in this suite, and 
     "MODEL=": "needs GPUs for SGLang servers; tests/on_sglang/test_sglang_runs.py runs launch/sglang.sh with DRY_RUN",
     ".venv/bin/accelerate launch --config_file accelerate_configs/zero3.yaml launch/train.py model.name_or_path=M":
         "needs SGLang servers on other machines; tests/on_sglang/test_sglang_runs.py runs the same path against stand-ins",
-    "python tests/on_sglang/sglang_standin": "a measurement recipe with placeholders (M, B, L); tests/on_sglang/test_sglang_runs.py runs it",
+    "python launch/bench/sglang_standin": "a measurement recipe with placeholders (M, B, L); tests/on_sglang/test_sglang_runs.py runs it",
     "accelerate launch --config_file accelerate_configs/zero3.yaml launch/train.py model.name_or_path=M":
         "the second half of that measurement recipe",
     ".venv/bin/python launch/bench/bench.py": "minutes at 10m parameters; tests/launched/test_bench.py runs the benchmark small",

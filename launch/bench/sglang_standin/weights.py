@@ -1,4 +1,4 @@
-"""The stand-in's weight updates (tests/on_sglang/sglang_standin): the weight-update group SGLang's own code joins, the
+"""The stand-in's weight updates (launch/bench/sglang_standin): the weight-update group SGLang's own code joins, the
 tensor-parallel ranks as processes, the session guards, distributed and disk loads, memory release and resume,
 ``/get_weights_by_name``; re-implemented from the SGLang source each part cites, or run from it."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The stand-in's schedulers (tests/on_sglang/sglang_standin): one per dp rank, with its KV pool, running batch and
+"""The stand-in's schedulers (launch/bench/sglang_standin): one per dp rank, with its KV pool, running batch and
 waiting queue, behind the tokenizer manager and data-parallel controller of tokenizer.py; each part
 re-implemented from the SGLang source it cites (0.5.9's files; where 0.5.23 differs, its file is named).
 

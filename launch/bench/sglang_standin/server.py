@@ -1,6 +1,6 @@
 """A loopback stand-in for an SGLang server of a given release, built from that release's own code and source.
 
-    python tests/on_sglang/sglang_standin --port 30000 --model DIR --sglang-version 0.5.23 [--api-key KEY]
+    python launch/bench/sglang_standin --port 30000 --model DIR --sglang-version 0.5.23 [--api-key KEY]
         [--admin-api-key KEY] [--deterministic] [--dp-size N] [--enable-dp-attention] [--pp-size N]
         [--tp-size N] [--enable-memory-saver] [--enable-weights-cpu-backup] [--context-length N]
         [--max-total-tokens N] [--max-running-requests N] [--schedule-conservativeness F] [--random-seed N]

@@ -1,5 +1,5 @@
 """The SGLang stand-in: a loopback server for a given SGLang release, built from that release's own code and
-source, for the tests (a real server needs a GPU). ``python tests/on_sglang/sglang_standin --help`` runs it.
+source, for the tests (a real server needs a GPU). ``python launch/bench/sglang_standin --help`` runs it.
 
 - ``source.py`` fetches each release's wheel and reads it (routes, request classes, the group join), with the
   facts read from its text in ``facts.py``;

@@ -1,4 +1,4 @@
-"""The stand-in's tokenizer manager and data-parallel controller (tests/on_sglang/sglang_standin): the /generate path in
+"""The stand-in's tokenizer manager and data-parallel controller (launch/bench/sglang_standin): the /generate path in
 front of the dp ranks' schedulers (scheduler.py), pause and continue, aborts by rid, and what an answer
 says, each re-implemented from the SGLang source it cites (0.5.9's srt/managers/tokenizer_manager.py and
 data_parallel_controller.py; where 0.5.23 differs, its file is named)."""

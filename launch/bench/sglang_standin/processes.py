@@ -1,4 +1,4 @@
-"""Start tests/on_sglang/sglang_standin as a real server process on 127.0.0.1, and talk to its test-control routes.
+"""Start launch/bench/sglang_standin as a real server process on 127.0.0.1, and talk to its test-control routes.
 
 Plain urllib here: the stand-in and everything that drives it stay apart from grpo_accel's own client."""
 import contextlib
@@ -11,7 +11,7 @@ import time
 import urllib.error
 import urllib.request
 
-from launching import ROOT, free_port
+from common import ROOT, free_port
 from sglang_standin.source import source_dir
 
 NEWEST = "0.5.23"
@@ -23,14 +23,14 @@ server that does not generate wait that long)."""
 
 
 class StandIn:
-    """tests/on_sglang/sglang_standin started as a process on a free port; ``wait_up`` waits until it answers."""
+    """launch/bench/sglang_standin started as a process on a free port; ``wait_up`` waits until it answers."""
 
     def __init__(self, model_dir, *extra: str, version: str = NEWEST) -> None:
         source_dir(version)  # fetched once here, so that the server does not race to download it
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.output = tempfile.TemporaryFile()  # not a pipe: a long-lived server must never block on a full one
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "on_sglang" / "sglang_standin"), "--port", str(port),
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "launch" / "bench" / "sglang_standin"), "--port", str(port),
                                       "--model", str(model_dir), "--sglang-version", version, *extra],
                                      stdout=self.output, stderr=subprocess.STDOUT,
                                      env={"SGLANG_HEALTH_CHECK_TIMEOUT": HEALTH_CHECK_TIMEOUT_S, **os.environ})
