@@ -46,7 +46,12 @@ def check_arguments(a: dict) -> None:
 
 
 def accelerator_for(a: dict):
-    """The given accelerator, or one built from the arguments; checked against them and the collector."""
+    """The given accelerator, or one built from the arguments; checked against them and the collector. ``seed``
+    seeds every random stream first (Accelerate's ``set_seed``)."""
+    if a["seed"] is not None:
+        from accelerate.utils import set_seed
+
+        set_seed(a["seed"])
     acc = a["accelerator"] or make_accelerator(
         a["gradient_accumulation_steps"], AUTOCAST_MODES[a["autocast_dtype"]] if a["mixed_precision"] else "no")
     require(acc.gradient_accumulation_steps == a["gradient_accumulation_steps"], "gradient_accumulation_steps",

@@ -81,11 +81,7 @@ class GRPOTrainer:
     ) -> None:
         args = {name: value for name, value in locals().items() if name != "self"}
         check_arguments(args)
-        if seed is not None:
-            from accelerate.utils import set_seed
-
-            set_seed(seed)
-        self.accelerator = acc = accelerator_for(args)  # checked against the arguments and the collector's layout
+        self.accelerator = acc = accelerator_for(args)  # seeded; checked against the arguments and the layout
         self.collector, self.total_frames, self.frame_skip = collector, total_frames, frame_skip
         self.optim_steps_per_batch, self.num_epochs = optim_steps_per_batch, num_epochs
         self.weight_sync_sender = as_weight_sender(weight_sync_sender)
@@ -114,8 +110,6 @@ class GRPOTrainer:
         self.stop_reason: str | None = None  # why training stopped early (a signal, request_stop, another process)
         self._saved_at, self._staleness, self._background = -1, 0.0, None
         self.hooks = Hooks()  # the users' stages; the loop's own steps are called in _iteration
-
-    # ------------------------------------------------------------------------------------------ public API
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -218,8 +212,6 @@ class GRPOTrainer:
         if final is not None:
             self.hooks.run("post_checkpoint", self, final)
         return final
-
-    # ----------------------------------------------------------------------------------------- the loop
 
     def _iteration(self, rollout: TensorDict) -> None:
         """One collected batch, every step of the loop in order; the hook stages are for users."""
@@ -329,8 +321,6 @@ class GRPOTrainer:
                     self.save_checkpoint("weight sync failed")  # the engines' weights are unknown: keep the run
                     raise
 
-    # ------------------------------------------------------------------------------- saving and stopping
-
     def _resume(self, path: Path, strict: bool = True) -> None:
         state = self._files.load_folder(path, module_signature(self.unwrapped_loss), strict, module=self.loss_module,
                                         optimizer=self.optimizer, pad_id=self.replay_buffer.pad_id)
@@ -348,8 +338,6 @@ class GRPOTrainer:
         if self.accelerator.num_processes > 1 and any_process(self.stop_reason is not None):
             self.stop_reason = self.stop_reason or "another process requested a stop"
         return self.stop_reason is not None or self.frames >= self.total_frames
-
-    # --------------------------------------------------------------------------------------- reporting
 
     def _log(self, rollout: TensorDict, stats: dict[str, float]) -> None:
         counters = {"frames": self.frames, "lr": self.rate.last, "optim_steps": self.optim_steps}

@@ -8,6 +8,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -189,3 +190,11 @@ def reward_server(*args: str):
     finally:
         proc.kill()
         proc.wait()
+
+
+def wait_for_training(stderr, timeout: float = 120) -> None:
+    """Until the run's first generation (its decode path is said then): training has begun."""
+    deadline = time.monotonic() + timeout
+    while "decode: " not in stderr.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.3)

@@ -1,7 +1,9 @@
 """trainer.report_to: the real W&B (offline), MLflow (a local SQLite store) and Trackio (its local store) packages
-through Accelerate's trackers, read back with their own packages, against what TensorBoard holds."""
+through Accelerate's trackers, read back with their own packages, against what TensorBoard holds; a failed or
+stopped run ends so in them, their messages keep their links, MLflow takes sample tables past its tag limit."""
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +12,7 @@ import numpy as np
 import pytest
 
 from grpo_accel.reporting.event_files import read_scalars
-from launching import launch
+from launching import ROOT, launch, run_in_group, wait_for_training
 from tracker_stores import tracker_env, wandb_records
 
 BATCH = 128  # frames per collected batch (16 prompts x 8)
@@ -173,3 +175,72 @@ def test_no_tracker_at_all_trains(tmp_path):
                                           "trainer.progress_bar=false"])
     assert not (tmp_path / "tensorboard").exists() and (tmp_path / "summary.json").is_file()
     assert "done: 128 frames" in proc.stderr and "tensorboard --logdir" not in proc.stderr
+
+
+def tracked_ends(root):
+    """(W&B's exit codes, MLflow's statuses) of the runs stored under ``root``."""
+    import mlflow
+
+    from tracker_stores import wandb_records
+
+    codes = [r.exit.exit_code for p in sorted(root.rglob("run-*.wandb")) for r in wandb_records(p)
+             if r.WhichOneof("record_type") == "exit"]
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("grpo_accel").experiment_id])
+    return codes, [r.info.status for r in runs]
+
+
+def test_a_failed_or_stopped_run_ends_so_in_the_trackers(tmp_path):
+    """Item 2: a reward that raises (exit 2) ended W&B with exit code 0 and MLflow FINISHED; now 1 and FAILED, and a
+    SIGTERM-stopped run 143 (SIGTERM's) and KILLED."""
+    from tracker_stores import tracker_env
+
+    (tmp_path / "bad_reward.py").write_text("def bad(prompts, completions, **kw):\n    raise RuntimeError('no')\n")
+    common = [sys.executable, str(ROOT / "launch" / "train.py"), "trainer.report_to=[wandb, mlflow]", *RESUMABLE]
+    env = {**__import__("os").environ, **tracker_env(tmp_path / "failed")}
+    (tmp_path / "failed").mkdir()
+    proc = run_in_group([*common, f"output_dir={tmp_path / 'failed' / 'run'}", "rewards=[{name: 'bad_reward:bad'}]"],
+                        cwd=tmp_path, env={**env, "PYTHONPATH": str(tmp_path)}, timeout=300)
+    assert proc.returncode == 2 and "reward function 'bad' raised RuntimeError" in proc.stderr
+    assert tracked_ends(tmp_path / "failed") == ([1], ["FAILED"])
+    root = tmp_path / "stopped"
+    root.mkdir()
+    env = {**__import__("os").environ, **tracker_env(root)}
+    with (root / "stderr").open("w") as err, subprocess.Popen(
+            [*common, f"output_dir={root / 'run'}", "trainer.total_frames=128000"], cwd=root, env=env,
+            stderr=err) as trainer:
+        wait_for_training(root / "stderr")
+        trainer.send_signal(signal.SIGTERM)
+        trainer.wait(timeout=120)
+    assert trainer.returncode == 0, (root / "stderr").read_text()[-3000:]
+    assert tracked_ends(root) == ([143], ["KILLED"])
+
+
+def test_a_trackers_message_keeps_its_link():
+    from grpo_accel.reporting.trackers import one_line
+
+    text = one_line(ValueError("the tracking URI is not valid.\n" + "detail " * 60 + "\nSee https://mlflow.org/docs/x."))
+    assert text.endswith("... https://mlflow.org/docs/x") and "\n" not in text
+
+
+def test_mlflow_keeps_taking_sample_tables_past_its_tag_limit(tmp_path, monkeypatch):
+    """Found running item 2: MLflow's log_table lists every table in one run tag, cut at 8,000 characters, so the
+    ~120th logged batch's samples raised JSONDecodeError and ended the run."""
+    import mlflow
+
+    from grpo_accel.reporting.trackers import open_trackers
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.chdir(tmp_path)
+    trackers = open_trackers(["mlflow"], tmp_path / "run", project="p", run_name="r")
+    row = {"prompt": "1+1=", "completion": "2", "reward": 1.0}
+    for step in range(1, 201):
+        trackers.log_samples([row], step)
+    run_id = mlflow.active_run().info.run_id
+    trackers.close()
+    client = mlflow.MlflowClient()
+    assert len(client.list_artifacts(run_id, "samples")) == 200
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+RESUMABLE = ["trainer.progress_bar=false", "checkpoint.resume=auto"]  # 128 completions a batch, one optimizer step each

@@ -142,10 +142,20 @@ def test_the_trainer_and_the_launcher_call_declared_contracts_without_probing_th
     assert len(trainer) > 5 and trainer == {name: [] for name in trainer}  # issue 65: no hasattr in trainer/
 
 
-def test_every_python_file_is_at_most_400_lines():
+def test_every_python_file_is_at_most_400_lines_and_the_loop_350():
     files = sorted(p for d in ("grpo_accel", "launch", "tests") for p in (ROOT / d).rglob("*.py"))
     long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > 400}
     assert len(files) > 90 and long == {}
+    assert len((ROOT / "grpo_accel" / "trainer" / "loop.py").read_text().splitlines()) <= 350, "the loop stays short"
+
+
+def test_launch_imports_nothing_from_tests():
+    """House 5: launch/bench/ imported the tests' helpers and ran the SGLang stand-in from tests/; what both need
+    lives in launch/bench/ (common.py, sglang_standin/), which the tests import."""
+    files = sorted((ROOT / "launch").rglob("*.py"))
+    reaching = {str(p.relative_to(ROOT)): line.strip() for p in files for line in p.read_text().splitlines()
+                if re.search(r"\"tests\"|\btests[/.]helpers|\bfrom (launching|trainer_utils|start_memory) import", line)}
+    assert len(files) > 15 and reaching == {}
 
 
 def test_one_batch_layout_per_run(tmp_path, monkeypatch, tokenizer, tiny_model):

@@ -1,8 +1,10 @@
 """The installed ``grpo-accel`` command: built as a wheel, installed in a fresh virtual environment, run from an
 empty folder outside the checkout (one process, two under a shipped ZeRO-2 config by name, an export); and
-``grpo-accel report``'s figure against the event files it was drawn from."""
+``grpo-accel report``'s figure against the event files it was drawn from; report and export saying what they need
+and what they took; the last line on screen is the run's own."""
 import json
 import re
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launching import ROOT, free_port, run_in_group
+from launching import ROOT, free_port, run_in_group, wait_for_training
 from trainer_utils import train_in_process
 
 
@@ -110,3 +112,83 @@ def test_report_draws_the_event_files_points(tmp_path):
     assert "run: forward_backward" in timing and len(axes["learning rate"].lines) == 2
     with pytest.raises(SystemExit):
         main(["report", str(tmp_path / "nothing")])
+
+
+def test_report_says_what_it_needs_and_what_is_missing(tmp_path, monkeypatch, capsys):
+    """Item 7: without matplotlib a ModuleNotFoundError traceback; a folder that does not exist was "no event files"."""
+    from grpo_accel.cli import report
+
+    with pytest.raises(SystemExit) as exit_:
+        report.main([str(tmp_path / "nowhere")])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'nowhere'}: no such folder; give a run's output_dir."
+    run = tmp_path / "run"
+    assert train_in_process([f"output_dir={run}", "trainer.total_frames=128", "trainer.progress_bar=false"]) == 0
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    with pytest.raises(SystemExit):
+        report.main([str(run)])
+    assert capsys.readouterr().err.strip() == ("error: grpo-accel report draws with matplotlib, which is not installed "
+                                               "here: pip install 'grpo_accel[report]'.")
+
+
+def test_export_takes_a_run_folder_and_says_which_checkpoint(tmp_path):
+    """Item 8: grpo-accel export <run folder> said "not a complete checkpoint"; DeepSpeed's accelerator notice
+    showed."""
+    run = tmp_path / "run"
+    assert train_in_process([f"output_dir={run}", "trainer.total_frames=256", "trainer.progress_bar=false"]) == 0
+    proc = subprocess.run([sys.executable, "-m", "grpo_accel.cli", "export", str(run), str(tmp_path / "model")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"exporting {run / 'checkpoints' / 'step_00000002'}, the newest complete checkpoint of {run}" in proc.stderr
+    assert "Setting accelerator to CPU" not in proc.stdout + proc.stderr
+    assert (tmp_path / "model" / "config.json").is_file()
+
+
+def grpo_accel_train(tmp_path, *args, signal_after_start=None):
+    """``grpo-accel train`` (as ``python -m grpo_accel.cli``) in a session of its own: (exit code, stderr lines)."""
+    import os
+
+    cmd = [sys.executable, "-m", "grpo_accel.cli", "train", *args]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    with (tmp_path / "stderr").open("w") as err, subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=err,
+                                                                  start_new_session=True) as proc:
+        if signal_after_start is not None:
+            wait_for_training(tmp_path / "stderr")
+            signal_after_start(proc)
+        code = proc.wait(timeout=300)
+    return code, [line for line in (tmp_path / "stderr").read_text().splitlines() if line.strip()]
+
+
+def test_the_last_line_on_screen_is_ours(tmp_path):
+    """Item 6, through grpo-accel train --accelerate-config (it starts Accelerate's launcher): after our line a
+    DeepSpeed typo ended in ~40 lines of torch elastic's report, Ctrl-C in the launcher's KeyboardInterrupt
+    traceback, a killed rank in "Root Cause ... exitcode -9". Our line is said again below them."""
+    import os
+
+    ds = tmp_path / "typo.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stgae": 2}}))
+    accelerate = tmp_path / "typo.yaml"
+    accelerate.write_text((ROOT / "accelerate_configs" / "zero2.yaml").read_text().replace("ds_configs/zero2.json",
+                                                                                            str(ds)))
+    (tmp_path / "typo").mkdir()
+    code, lines = grpo_accel_train(tmp_path / "typo", "--accelerate-config", str(accelerate), "output_dir=run")
+    assert code != 0 and lines[-1].startswith(f"error: {ds}: zero_optimization.stgae is not a DeepSpeed setting")
+    (tmp_path / "ctrl_c").mkdir()
+    code, lines = grpo_accel_train(tmp_path / "ctrl_c", "--accelerate-config", "single_process", "output_dir=run",
+                                   "trainer.progress_bar=false", "trainer.total_frames=128000",
+                                   signal_after_start=lambda p: os.killpg(p.pid, signal.SIGINT))
+    assert "stopped (received SIGINT) after " in lines[-1] and lines[-1].endswith(
+        "to continue, run the same command with checkpoint.resume=auto"), lines[-6:]
+    (tmp_path / "killed").mkdir()
+
+    def kill_a_rank(launcher):
+        import psutil
+
+        ranks = [p for p in psutil.Process(launcher.pid).children(recursive=True)
+                 if "grpo_accel.cli.train" in (line := " ".join(p.cmdline())) and "accelerate" not in line]
+        max(ranks, key=lambda p: p.pid).kill()
+
+    code, lines = grpo_accel_train(tmp_path / "killed", "--accelerate-config", "ddp", "output_dir=run",
+                                   "trainer.progress_bar=false", "trainer.total_frames=128000",
+                                   signal_after_start=kill_a_rank)
+    assert code != 0 and lines[-1].startswith(("error (rank ", "error: the launch failed")), lines[-8:]

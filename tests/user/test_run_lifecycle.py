@@ -1,13 +1,16 @@
 """A run's life after training: its command again changes nothing, a resume says what it changed, exports never
-mix two models (issue 34's cases 2, 3 and 7, each failing before)."""
+mix two models (issue 34's cases 2, 3 and 7, each failing before), a resumed run trains at the rate it was given."""
 import logging
+import math
 import subprocess
 import sys
 
 import pytest
 
+from grpo_accel.reporting.event_files import read_scalars
 from launching import ROOT
-from trainer_utils import main_in_process
+from trainer_utils import main_in_process, train_in_process
+
 
 RUN = ["trainer.total_frames=32", "rollout.prompts_per_batch=4", "rollout.group_size=4", "rollout.max_new_tokens=4",
        "trainer.progress_bar=false", "checkpoint.resume=auto", "checkpoint.keep_last=1"]
@@ -158,3 +161,28 @@ def test_a_resume_takes_settings_that_do_not_change_the_math_and_refuses_one_tha
         f"  output_dir: {str(finished)!r} -> {str(run)!r}", "  rewards[0].retries: 2 -> 5",
         "  trainer.total_frames: 32 -> 48"]
     assert any(m.startswith("done: 48 frames (completions) in 3 batches") for m in messages)
+
+
+RESUMABLE = ["trainer.progress_bar=false", "checkpoint.resume=auto"]  # 128 completions a batch, one optimizer step each
+
+
+def lrs(out) -> list[float]:
+    return [v for _, v in read_scalars(out / "tensorboard")["train/lr"]]
+
+
+def test_a_resumed_run_trains_at_the_rate_it_was_given(tmp_path, caplog):
+    """Item 1: a constant rate changed at resume applies from the first resumed step; a cosine run extended with a
+    new peak continues on the new, longer curve at the step it had reached (not at the old curve's end, 0)."""
+    constant = tmp_path / "constant"
+    assert train_in_process([f"output_dir={constant}", *RESUMABLE, "trainer.total_frames=256"]) == 0
+    with caplog.at_level(logging.INFO):
+        assert train_in_process([f"output_dir={constant}", *RESUMABLE, "trainer.total_frames=512", "optim.lr=1e-3"]) == 0
+    assert lrs(constant) == pytest.approx([3e-4, 3e-4, 1e-3, 1e-3])
+    assert "learning rate: the checkpoint's peak 0.0003 -> 0.001, this run's, from its first step" in caplog.text
+    cosine = tmp_path / "cosine"
+    assert train_in_process([f"output_dir={cosine}", *RESUMABLE, "trainer.total_frames=256", "optim.scheduler=cosine"]) == 0
+    assert lrs(cosine) == pytest.approx([3e-4, 3e-4 * (1 + math.cos(math.pi / 2)) / 2])  # 2 steps: half a cosine
+    assert train_in_process([f"output_dir={cosine}", *RESUMABLE, "trainer.total_frames=512", "optim.scheduler=cosine",
+                             "optim.lr=1e-3"]) == 0
+    expected = [1e-3 * (1 + math.cos(math.pi * step / 4)) / 2 for step in (2, 3)]  # steps 2, 3 of the 4-step curve
+    assert lrs(cosine)[2:] == pytest.approx(expected)
