@@ -1,4 +1,4 @@
-"""Shared by embedded/, loss/, reporting/, rollout/, sglang/ and trainer/.
+"""Shared by embedded/, loss/, reporting/, rollout/, sglang/, trainer/ and weight_sync/.
 
 The parts that GRPOTrainer and the recipe plug together, declared once: what each part must provide, what it
 may leave to a default, and who calls it when. A part of your own subclasses its contract here; the trainer and

@@ -1,5 +1,5 @@
 """Shared by checkpoint.py, cli/, config/, data/, distributed/, http.py, reporting/, rewards/, rollout/, run/,
-sglang/ and shipped.py.
+shipped.py and weight_sync/.
 
 The base class of the errors a user fixes: each message names the setting, file or function, the value and the
 fix, so the launcher shows it as one line (exit code 2) instead of a traceback."""

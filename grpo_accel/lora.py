@@ -1,4 +1,4 @@
-"""Shared by recipe/, run/ and sglang/.
+"""Shared by recipe/, run/ and weight_sync/.
 
 LoRA through PEFT: only the adapter trains, sits in the optimizer and is checkpointed; the KL reference is the
 same model with its adapter switched off; engines receive the merged weights under the base model's names.
@@ -98,7 +98,7 @@ def merged_engine_weights(model: nn.Module) -> list[tuple[str, tuple[nn.Paramete
     """A LoRA model's tensors as an engine serving the base architecture holds them: each targeted layer's merged
     weight and every other parameter, under the base model's names, in parameter order (adapters never leave):
     (name, the parameters it is made of, how: None for the parameter itself), as
-    :class:`grpo_accel.sglang.gather.EngineWeight` takes them."""
+    :class:`grpo_accel.weight_sync.gather.EngineWeight` takes them."""
     from peft.tuners.lora import LoraLayer
 
     layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}

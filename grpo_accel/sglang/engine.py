@@ -8,7 +8,7 @@ completions, all sent at once; engine logprobs are SGLang's ``output_token_logpr
 ``log_softmax(logits / temperature)`` before top-k/top-p, exactly what the loss divides by the temperature for.
 
 Partial rollouts: a weight push may land while a completion is generated. Pushed with ``retract`` (the default,
-see :mod:`grpo_accel.sglang.sender`), the server keeps it and finishes it with the new weights; pushed with
+see :mod:`grpo_accel.sglang.servers`), the server keeps it and finishes it with the new weights; pushed with
 ``abort``, it comes back cut short and is continued here from prompt + what it had, with the budget left; one
 still waiting in the server's queue comes back with nothing and is sent again. Either way every token keeps the
 logprob of the weights that drew it, and the row records the oldest version and the newest

@@ -38,9 +38,134 @@ from grpo_accel.http import ServerError
 from grpo_accel.rules import check_choice, setting
 from grpo_accel.sglang import api
 from grpo_accel.sglang.group import WeightUpdateGroup, address_towards
-from grpo_accel.sglang.sender import SGLangSender, WeightSyncError, dtype_name
+from grpo_accel.sglang.sender import SGLangSender
+from grpo_accel.sglang.servers import SGLangServers, SGLangTransport
+from grpo_accel.weight_sync.gather import Bucket
+from grpo_accel.weight_sync.push import WeightSyncError, dtype_name
 
 logger = logging.getLogger(__name__)
+
+
+class DistributedTransport(SGLangTransport):
+    """Rank 0 hosts a process group the servers join (``sending``: this is rank 0) and broadcasts each bucket
+    over it while the servers' ``/update_weights_from_distributed`` requests wait for it."""
+
+    uses_session = True
+
+    def __init__(self, servers: SGLangServers, sending: bool, *, master_address: str | None, master_port: int,
+                 backend: str, load_format: str, dtype: torch.dtype, group_name: str, timeout_s: float) -> None:
+        super().__init__(servers)
+        self.load_format, self.timeout_s, self.dtype = load_format, timeout_s, dtype
+        self.backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
+        self.group: WeightUpdateGroup | None = None
+        if sending:
+            gpus = [info.tp_size for info in servers.infos]
+            self.offsets = [1 + sum(gpus[:i]) for i in range(len(gpus))]  # engine i: 1 + GPUs of engines before it
+            if master_address is None:
+                url = servers.clients[0].url
+                master_address = address_towards(url)
+                logger.info("weight-update group at %s:%d, this trainer's address on the route to %s (set %s to "
+                            "choose another)", master_address, master_port, url,
+                            setting(servers.names, "master_address"))
+            self.group = WeightUpdateGroup(self.backend, master_address, master_port, 1 + sum(gpus), group_name,
+                                           timeout_s)
+            self._join()
+
+    def close(self) -> None:
+        if self.group is None or self.group.name is None:
+            return
+        for client in self.servers.clients:
+            self.servers.quietly(client, *api.destroy_weights_update_group(self.group.name))
+        self.group.leave(abort=False)
+
+    def _join(self) -> None:
+        """Make a new group: rank 0's side in a thread, each server's through ``/init_weights_update_group``
+        (which returns once every rank joined). Raises naming the group, the store keys and the servers."""
+        group, name = self.group, self.group.new_name()
+        local: dict = {}
+
+        def join_here() -> None:
+            try:
+                group.join(name)
+            except Exception as exc:  # noqa: BLE001 (reported below)
+                local["error"] = exc
+
+        thread = threading.Thread(target=join_here, name="weight-update-group", daemon=True)
+        thread.start()  # a daemon: if a server never joins, nothing waits for it at exit
+        deadline = time.monotonic() + self.timeout_s
+        pool = concurrent.futures.ThreadPoolExecutor(len(self.servers.clients))
+        replies = [pool.submit(c.post, *api.init_weights_update_group(group.address, group.port, offset,
+                                                                       group.world_size, name, self.backend))
+                   for c, offset in zip(self.servers.clients, self.offsets)]
+        problems = []
+        for client, reply in zip(self.servers.clients, replies):
+            try:
+                answer = reply.result(timeout=max(0.0, deadline - time.monotonic()))
+                if not answer.get("success"):
+                    problems.append(f"{client.url} answered: {answer.get('message')}")
+            except concurrent.futures.TimeoutError:
+                problems.append(f"{client.url} did not answer /init_weights_update_group")
+            except ServerError as exc:
+                if exc.status in (401, 403):  # a key problem, not a network one: the key setting says what to do
+                    raise
+                problems.append(str(exc))
+        pool.shutdown(wait=False)
+        if not problems:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive() or "error" in local:
+                problems.append(f"the trainer's side did not complete ({local.get('error', 'still waiting')})")
+        if problems:
+            ranks = ", ".join(f"{c.url} as ranks {o}..{o + i.tp_size - 1}"
+                              for c, o, i in zip(self.servers.clients, self.offsets, self.servers.infos))
+            names = self.servers.names
+            raise WeightSyncError(
+                f"the weight-update group {name!r} did not form within {self.timeout_s:.0f} s: {'; '.join(problems)}. "
+                f"The trainer is rank 0 of {group.world_size} and hosts the {group.store_keys(name)}; the servers "
+                f"join it ({ranks}) by connecting to {setting(names, 'master_address')}:"
+                f"{setting(names, 'master_port')}. Check that every server reaches that address and port, or "
+                f"raise {setting(names, 'timeout_s')}.")
+
+    def send(self, index: int, bucket: Bucket, tensors: list[torch.Tensor], version: int, last: bool) -> None:
+        if self.group.group is None:
+            raise WeightSyncError("no weight-update group: it could not be made again after the last failure.")
+        for t, shape in zip(tensors, bucket.shapes):  # never send what was not announced
+            if tuple(t.shape) != tuple(shape) or t.dtype != self.dtype:
+                raise WeightSyncError(f"tensor {tuple(t.shape)}/{t.dtype} does not match announced {shape}/{self.dtype}")
+        request = api.update_weights_from_distributed(
+            bucket.names, [dtype_name(self.dtype)] * len(bucket.names), [list(s) for s in bucket.shapes],
+            self.group.name, self.load_format == "flattened_bucket", last, version)
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        if self.load_format == "flattened_bucket":  # one uint8 buffer: the tensors' bytes concatenated in order
+            payload = [torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]).to(device)]
+        else:
+            payload = [t.to(device) for t in tensors]
+        with concurrent.futures.ThreadPoolExecutor(len(self.servers.clients)) as pool:
+            replies = [pool.submit(c.post, *request) for c in self.servers.clients]  # answered once received (or refused)
+            works = [self.group.broadcast(t) for t in payload]
+            refused = []
+            for client, reply in zip(self.servers.clients, replies):
+                try:
+                    answer = reply.result()
+                    if not answer.get("success"):
+                        refused.append(f"{client.url}: {answer.get('message')}")
+                except ServerError as exc:
+                    refused.append(str(exc))
+        if refused:  # broadcasts a server never joined may still be pending: recover makes a new group
+            raise WeightSyncError(f"update_weights_from_distributed failed: {'; '.join(refused)}")
+        for work in works:
+            work.wait()
+
+    def recover(self) -> None:
+        """A new group before anything else is sent: the old one may hold a broadcast a server never joined."""
+        if self.group.name is not None:
+            for client in self.servers.clients:  # first: a server closing its side ends a broadcast pending on ours
+                self.servers.quietly(client, *api.destroy_weights_update_group(self.group.name))
+            self.group.leave(abort=True)
+        try:
+            self._join()
+        except WeightSyncError as exc:
+            logger.error("%s", exc)
+        super().recover()
 
 
 class DistributedWeightSender(SGLangSender):
@@ -71,8 +196,6 @@ class DistributedWeightSender(SGLangSender):
         >>> sender.update_weights()  # on every training rank
     """
 
-    uses_session = True
-
     def __init__(self, accelerator, model, urls: list[str], *, master_address: str | None = None,
                  master_port: int = 29600, backend: str = "auto", bucket_mb: float = 512, load_format: str = "per_tensor",
                  dtype: torch.dtype = torch.bfloat16, api_key: str | None = None, admin_api_key: str | None = None,
@@ -80,114 +203,10 @@ class DistributedWeightSender(SGLangSender):
                  timeout_s: float = 600.0, pause_mode: str = "retract", memory_record: str | Path | None = None,
                  names: Mapping[str, str] | None = None) -> None:
         check_choice(setting(names, "load_format"), load_format, api.LOAD_FORMATS, owner="DistributedWeightSender: ")
-        super().__init__(accelerator, model, urls, api_key=api_key, admin_api_key=admin_api_key, bucket_mb=bucket_mb,
-                         dtype=dtype, max_attempts=max_attempts, verify_tensors=verify_tensors, timeout_s=timeout_s,
-                         pause_mode=pause_mode, memory_record=memory_record, names=names)
-        self.load_format, self.timeout_s = load_format, timeout_s
-        self.backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
-        self.group: WeightUpdateGroup | None = None
-        if self.is_sender:
-            gpus = [info.tp_size for info in self.servers]
-            self.offsets = [1 + sum(gpus[:i]) for i in range(len(gpus))]  # engine i: 1 + GPUs of engines before it
-            if master_address is None:
-                master_address = address_towards(urls[0])
-                logger.info("weight-update group at %s:%d, this trainer's address on the route to %s (set %s to "
-                            "choose another)", master_address, master_port, urls[0], setting(names, "master_address"))
-            self.group = WeightUpdateGroup(self.backend, master_address, master_port, 1 + sum(gpus), group_name,
-                                           timeout_s)
-            self._join()
-
-    def close(self) -> None:
-        if self.group is None or self.group.name is None:
-            return
-        for client in self.clients:
-            self._quietly(client, *api.destroy_weights_update_group(self.group.name))
-        self.group.leave(abort=False)
-
-    def _join(self) -> None:
-        """Make a new group: rank 0's side in a thread, each server's through ``/init_weights_update_group``
-        (which returns once every rank joined). Raises naming the group, the store keys and the servers."""
-        group, name = self.group, self.group.new_name()
-        local: dict = {}
-
-        def join_here() -> None:
-            try:
-                group.join(name)
-            except Exception as exc:  # noqa: BLE001 (reported below)
-                local["error"] = exc
-
-        thread = threading.Thread(target=join_here, name="weight-update-group", daemon=True)
-        thread.start()  # a daemon: if a server never joins, nothing waits for it at exit
-        deadline = time.monotonic() + self.timeout_s
-        pool = concurrent.futures.ThreadPoolExecutor(len(self.clients))
-        replies = [pool.submit(c.post, *api.init_weights_update_group(group.address, group.port, offset,
-                                                                       group.world_size, name, self.backend))
-                   for c, offset in zip(self.clients, self.offsets)]
-        problems = []
-        for client, reply in zip(self.clients, replies):
-            try:
-                answer = reply.result(timeout=max(0.0, deadline - time.monotonic()))
-                if not answer.get("success"):
-                    problems.append(f"{client.url} answered: {answer.get('message')}")
-            except concurrent.futures.TimeoutError:
-                problems.append(f"{client.url} did not answer /init_weights_update_group")
-            except ServerError as exc:
-                if exc.status in (401, 403):  # a key problem, not a network one: the key setting says what to do
-                    raise
-                problems.append(str(exc))
-        pool.shutdown(wait=False)
-        if not problems:
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive() or "error" in local:
-                problems.append(f"the trainer's side did not complete ({local.get('error', 'still waiting')})")
-        if problems:
-            ranks = ", ".join(f"{c.url} as ranks {o}..{o + i.tp_size - 1}"
-                              for c, o, i in zip(self.clients, self.offsets, self.servers))
-            raise WeightSyncError(
-                f"the weight-update group {name!r} did not form within {self.timeout_s:.0f} s: {'; '.join(problems)}. "
-                f"The trainer is rank 0 of {group.world_size} and hosts the {group.store_keys(name)}; the servers "
-                f"join it ({ranks}) by connecting to {setting(self.names, 'master_address')}:"
-                f"{setting(self.names, 'master_port')}. Check that every server reaches that address and port, or "
-                f"raise {setting(self.names, 'timeout_s')}.")
-
-    def _send(self, index: int, bucket, tensors: list[torch.Tensor], version: int) -> None:
-        if self.group.group is None:
-            raise WeightSyncError("no weight-update group: it could not be made again after the last failure.")
-        for t, shape in zip(tensors, bucket.shapes):  # never send what was not announced
-            if tuple(t.shape) != tuple(shape) or t.dtype != self.dtype:
-                raise WeightSyncError(f"tensor {tuple(t.shape)}/{t.dtype} does not match announced {shape}/{self.dtype}")
-        request = api.update_weights_from_distributed(
-            bucket.names, [dtype_name(self.dtype)] * len(bucket.names), [list(s) for s in bucket.shapes],
-            self.group.name, self.load_format == "flattened_bucket", self._is_last(index), version)
-        device = "cuda" if self.backend == "nccl" else "cpu"
-        if self.load_format == "flattened_bucket":  # one uint8 buffer: the tensors' bytes concatenated in order
-            payload = [torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]).to(device)]
-        else:
-            payload = [t.to(device) for t in tensors]
-        with concurrent.futures.ThreadPoolExecutor(len(self.clients)) as pool:
-            replies = [pool.submit(c.post, *request) for c in self.clients]  # answered once received (or refused)
-            works = [self.group.broadcast(t) for t in payload]
-            refused = []
-            for client, reply in zip(self.clients, replies):
-                try:
-                    answer = reply.result()
-                    if not answer.get("success"):
-                        refused.append(f"{client.url}: {answer.get('message')}")
-                except ServerError as exc:
-                    refused.append(str(exc))
-        if refused:  # broadcasts a server never joined may still be pending: _recover makes a new group
-            raise WeightSyncError(f"update_weights_from_distributed failed: {'; '.join(refused)}")
-        for work in works:
-            work.wait()
-
-    def _recover(self) -> None:
-        """A new group before anything else is sent: the old one may hold a broadcast a server never joined."""
-        if self.group.name is not None:
-            for client in self.clients:  # first: a server closing its side ends a broadcast pending on ours
-                self._quietly(client, *api.destroy_weights_update_group(self.group.name))
-            self.group.leave(abort=True)
-        try:
-            self._join()
-        except WeightSyncError as exc:
-            logger.error("%s", exc)
-        super()._recover()
+        transport = lambda servers: DistributedTransport(  # noqa: E731
+            servers, accelerator.is_main_process, master_address=master_address, master_port=master_port,
+            backend=backend, load_format=load_format, dtype=dtype, group_name=group_name, timeout_s=timeout_s)
+        super().__init__(accelerator, model, urls, DistributedTransport.method, transport, api_key=api_key,
+                         admin_api_key=admin_api_key, bucket_mb=bucket_mb, dtype=dtype, max_attempts=max_attempts,
+                         verify_tensors=verify_tensors, timeout_s=timeout_s, pause_mode=pause_mode,
+                         memory_record=memory_record, names=names)

@@ -16,7 +16,7 @@ from grpo_accel.config.loading import load_config, to_dict
 from grpo_accel.recipe.parts import build_policy, lora_policy
 from grpo_accel.config.schema import LoraConfig
 from grpo_accel.tasks.tiny import build_tiny_model
-from grpo_accel.sglang.gather import BucketedGather, engine_weights
+from grpo_accel.weight_sync.gather import BucketedGather, engine_weights
 from trainer_utils import fresh_accelerate_state, make_trainer, reset_accelerate_state  # noqa: F401
 
 LORA = ["model.lora.r=4", "model.lora.alpha=8"]
