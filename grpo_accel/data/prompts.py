@@ -9,11 +9,14 @@ message first; a string prompt with a ``system_prompt`` becomes a system and a u
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from grpo_accel.errors import UserError
-from grpo_accel.rules import setting
+from grpo_accel.rules import check_choice, setting
+
+logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -167,3 +170,62 @@ def encode_prompts(rows: list[dict], tokenizer, *, prompt_field: str = "prompt",
         ids.append(tokens)
         conversations.append(messages)
     return Prompts(texts, ids, conversations)
+
+
+def check_prompts(rows: list[dict], tokenizer, encode: Callable[..., Prompts], *, required: dict[str, list[str]],
+                  max_prompt_tokens: int | None, overlong_prompts: str, prompts_per_batch: int, say: bool = True,
+                  names: Mapping[str, str] | None = None) -> tuple[list[dict], Prompts]:
+    """The rows a run trains on and their prompts, every one rendered, tokenised and checked before any batch:
+    the columns the reward functions need (``required``, per function), each prompt within ``max_prompt_tokens``
+    (``encode(rows, max_tokens=...)`` refuses a longer one naming its row; ``overlong_prompts`` may drop its row
+    or keep its last tokens instead, said once), fewer rows than a batch's prompts said once (``say``: on one
+    process), text the tokenizer cannot read."""
+    check_columns(rows, required)
+    check_choice(setting(names, "overlong_prompts"), overlong_prompts, OVERLONG, owner="GRPOCollector: ")
+    encoded = encode(rows, max_tokens=max_prompt_tokens if overlong_prompts == "error" else None)
+    kept, prompts, changed = (rows, encoded, []) if max_prompt_tokens is None else fit_prompts(
+        rows, encoded, max_prompt_tokens, overlong_prompts, tokenizer)
+    if changed and say:
+        logger.warning("%s=%s: %s %d of %d rows whose prompts are longer than %s=%d tokens (row %d: %d tokens)",
+                       setting(names, "overlong_prompts"), overlong_prompts,
+                       "dropped" if overlong_prompts == "drop" else "kept the last tokens of", len(changed),
+                       len(rows), setting(names, "max_prompt_tokens"), max_prompt_tokens, changed[0],
+                       len(encoded.ids[changed[0]]))
+    if rows and not kept:
+        raise DataError(f"{setting(names, 'overlong_prompts')}=drop dropped every row: all {len(rows)} prompts are "
+                        f"longer than {setting(names, 'max_prompt_tokens')}={max_prompt_tokens}; raise it.")
+    if say and len(kept) < prompts_per_batch:
+        logger.warning("%s=%d is more than the data's %d rows: every batch repeats rows (each about %.1f times), "
+                       "so its groups are not independent prompts; use more rows or fewer prompts per batch",
+                       setting(names, "prompts_per_batch"), prompts_per_batch, len(kept), prompts_per_batch / len(kept))
+    warn_unknown_tokens(tokenizer, prompts)
+    return kept, prompts
+
+
+def warn_unknown_tokens(tokenizer, prompts: Prompts) -> None:
+    """Prompts the model cannot read as written: text mapped to the unknown token, or dropped by the
+    tokenizer (a round trip, decode(encode(text)), that loses characters)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return
+    rows = [i for i, ids in enumerate(prompts.ids) if unk in ids]
+    if rows:
+        logger.warning("%d of %d prompts hold text the tokenizer maps to its unknown token %r (first: row %d, %r); "
+                       "the model cannot read that text: use a tokenizer that covers it",
+                       len(rows), len(prompts.ids), tokenizer.unk_token, rows[0], prompts.texts[rows[0]][:80])
+    unknown = set(rows)
+    lost = [(i, back) for i, text in enumerate(prompts.texts) if i not in unknown
+            and (back := read_back(tokenizer, text)) is not None]
+    if lost:  # a tokenizer that drops what it cannot encode: nothing maps to the unknown token
+        row, back = lost[0]
+        logger.warning("%d of %d prompts do not read back as written: the tokenizer drops text it cannot encode "
+                       "(first: row %d, %r reads back as %r); the model trains on what it reads: use the model's "
+                       "own tokenizer, or normalise the text (e.g. unicodedata NFKC)", len(lost), len(prompts.ids),
+                       row, prompts.texts[row][:80], back[:80])
+
+
+def read_back(tokenizer, text: str) -> str | None:
+    """``decode(encode(text))`` when it differs from ``text`` beyond whitespace (a tokenizer that drops or changes
+    characters), else None."""
+    back = tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"], clean_up_tokenization_spaces=False)
+    return None if back.split() == text.split() else back

@@ -37,6 +37,24 @@ SGLANG_NAMES = {"api_key": "rollout.api_key", "admin_api_key": "weight_sync.admi
                 "timeout_s": "weight_sync.timeout_s", "pause_mode": "weight_sync.pause_mode", "load_format": "weight_sync.load_format"}
 
 
+def by_name(target, *sections, skip: tuple[str, ...] = ()) -> dict:
+    """The settings of ``sections`` (config dataclasses) that ``target`` takes as arguments of the same name: a
+    component's settings are wired by name, so that a new one is a schema line and the code that uses it. Two
+    sections giving one name is refused (name it in ``skip`` and pass it by hand)."""
+    import dataclasses
+    import inspect
+
+    parameters = inspect.signature(target).parameters
+    wired: dict = {}
+    for section in sections:
+        for field in dataclasses.fields(section):
+            if field.name in parameters and field.name not in skip:
+                if field.name in wired:
+                    raise TypeError(f"{field.name}: given by two config sections; skip it and pass it by hand")
+                wired[field.name] = getattr(section, field.name)
+    return wired
+
+
 def batch_layout(cfg: GRPOConfig, num_processes: int) -> tuple[BatchLayout, int]:
     """The run's batch layout over ``num_processes`` and its micro-batch size (``micro_batch_completions``, "auto"
     resolved), checked against accumulation and sampled micro-batches: a ConfigError names the setting to change."""
@@ -98,20 +116,12 @@ def build_trainer(cfg: GRPOConfig):
     optimizer = build_optimizer(cfg, model)
     rewards.trainer_state.max_steps = run_steps = run_optimizer_steps(cfg, layout, micro_batch)
     trainer = GRPOTrainer(
-        collector=collector, total_frames=t.total_frames, optim_steps_per_batch=t.optim_steps_per_batch,
-        loss_module=build_loss(cfg, model, reference), optimizer=optimizer,
-        lr_scheduler=build_scheduler(cfg.optim, optimizer, run_steps),
-        weight_sync_sender=sender, weight_update_frequency=t.weight_update_frequency,
-        async_collection=t.async_collection, max_staleness=t.max_staleness,
-        empty_replay_buffer_on_weight_update=t.empty_replay_buffer_on_weight_update,
-        batch_size=micro_batch, gradient_accumulation_steps=t.gradient_accumulation_steps,
-        mixed_precision=t.mixed_precision != "no",
+        **by_name(GRPOTrainer, t, cfg.optim, skip=("mixed_precision",)),  # total_frames, seed, log_*, clip_norm, ...
+        collector=collector, loss_module=build_loss(cfg, model, reference), optimizer=optimizer,
+        lr_scheduler=build_scheduler(cfg.optim, optimizer, run_steps), weight_sync_sender=sender,
+        batch_size=micro_batch, mixed_precision=t.mixed_precision != "no",
         autocast_dtype=torch.float16 if t.mixed_precision == "fp16" else torch.bfloat16,
-        logger=trackers,
-        clip_norm=cfg.optim.clip_norm, progress_bar=t.progress_bar, seed=t.seed,
-        log_interval=t.log_interval, num_epochs=t.num_epochs, log_timings=t.log_timings,
-        log_rewards=t.log_rewards, log_kl=t.log_kl, log_samples=t.log_samples, log_first=t.log_first,
-        accelerator=accelerator,
+        logger=trackers, accelerator=accelerator,
         checkpoint=checkpoint, save_trainer_interval=c.interval_frames, save_trainer_file=c.legacy_file,
         checkpoint_rotation=CheckpointRotation(c.keep_last, c.keep_best, c.best_metric, c.best_mode),
         checkpoint_metadata=lambda: {"config": record(cfg), "data": fingerprints,
@@ -190,16 +200,9 @@ def build_collector(cfg: GRPOConfig, engine, tokenizer, rows, rewards, environme
     """The collector: this process's share of each batch's prompts, their rollouts, rewards and advantages."""
     from grpo_accel.rollout.collector import GRPOCollector
 
-    r, lc = cfg.rollout, cfg.loss
-    return GRPOCollector(
-        engine, tokenizer, rows, rewards, layout=layout, rank=rank,
-        prompt_field=cfg.data.prompt_field, max_prompt_tokens=r.max_prompt_tokens, system_prompt=cfg.data.system_prompt,
-        overlong_prompts=cfg.data.overlong_prompts,
-        scale_advantages=lc.scale_advantages, leave_one_out=lc.leave_one_out, seed=cfg.trainer.seed,
-        dynamic_sampling=r.dynamic_sampling, max_extra_rounds=r.max_extra_rounds,
-        environment=environment, max_turns=r.max_turns, max_episode_tokens=r.max_episode_tokens,
-        names=COLLECTOR_NAMES,
-    )
+    settings = by_name(GRPOCollector, cfg.rollout, cfg.data, cfg.loss, skip=("environment",))
+    return GRPOCollector(engine, tokenizer, rows, rewards, layout=layout, rank=rank, seed=cfg.trainer.seed,
+                         environment=environment, names=COLLECTOR_NAMES, **settings)
 
 
 def build_loss(cfg: GRPOConfig, model, reference):
@@ -207,13 +210,9 @@ def build_loss(cfg: GRPOConfig, model, reference):
     from grpo_accel.loss import GRPOLoss
 
     lc = cfg.loss
-    return GRPOLoss(
-        model, reference, clip_epsilon=(lc.clip_eps_low, lc.clip_eps_high), kl_coef=lc.kl_coef,
-        kl_estimator=lc.kl_estimator, aggregation=lc.aggregation, max_completion_tokens=cfg.rollout.max_completion_tokens,
-        importance_level=lc.importance_level, tis_cap=lc.tis_cap, tis_mode=lc.tis_mode, tis_min=lc.tis_min,
-        kl_importance_weighted=lc.kl_importance_weighted, temperature=cfg.rollout.temperature,
-        packing=lc.packing, shared_prompts=lc.shared_prompts, mask_truncated=lc.mask_truncated,
-    )
+    return GRPOLoss(model, reference, clip_epsilon=(lc.clip_eps_low, lc.clip_eps_high),
+                    max_completion_tokens=cfg.rollout.max_completion_tokens, temperature=cfg.rollout.temperature,
+                    **by_name(GRPOLoss, lc))
 
 
 def build_optimizer(cfg: GRPOConfig, model):
@@ -310,8 +309,7 @@ def build_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
     # of ZeRO-3 shards: the trainer refuses an embedded engine beside ZeRO-3 in async mode, saying why).
     copies = cfg.trainer.async_collection and not zero3_partitioned()
     engine_model = copy.deepcopy(model) if copies else model
-    engine = EmbeddedEngine(engine_model, tokenizer, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                            top_p=r.top_p, top_k=r.top_k, decoder=r.decoder, worker=r.embedded_worker,
+    engine = EmbeddedEngine(engine_model, tokenizer, worker=r.embedded_worker, **by_name(EmbeddedEngine, r),
                             gather=(lambda: gathered_parameters(model.parameters())) if r.zero3_gather_full else None)
     return engine, EmbeddedWeightSync(engine, source=model)
 
@@ -321,12 +319,10 @@ def _sglang_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
 
     from grpo_accel.batch import stop_token_ids
     from grpo_accel.sglang.engine import SGLangEngine
+    from grpo_accel.sglang.sender import SGLangSender
 
     r, w = cfg.rollout, cfg.weight_sync
-    engine = SGLangEngine(r.urls, tokenizer, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                          top_p=r.top_p, top_k=r.top_k, api_key=r.api_key, admin_api_key=w.admin_api_key,
-                          health_timeout_s=r.health_timeout_s,
-                          retries=r.request_retries, request_size=r.request_size, request_timeout_s=r.request_timeout_s,
+    engine = SGLangEngine(tokenizer=tokenizer, retries=r.request_retries, **by_name(SGLangEngine, r, w),
                           stop_token_ids=stop_token_ids(tokenizer, model.generation_config), names=SGLANG_NAMES)
     if accelerator.is_main_process:
         log.info(engine.description)
@@ -335,23 +331,18 @@ def _sglang_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
         raise ConfigError(f"rollout.colocate=true: {', '.join(saving)} runs without --enable-memory-saver, so it "
                           "cannot free its GPU memory for training; start it with that flag, or set "
                           "rollout.colocate=false.")
-    common = dict(api_key=r.api_key, admin_api_key=w.admin_api_key, bucket_mb=w.bucket_mb,
-                  dtype=getattr(torch, w.dtype), max_attempts=w.max_attempts, verify_tensors=w.verify_tensors,
-                  timeout_s=w.timeout_s, pause_mode=w.pause_mode, names=SGLANG_NAMES,
-                  memory_record=Path(cfg.output_dir) / "sglang_memory.json" if r.colocate else None)
     if w.method == "distributed":
-        from grpo_accel.sglang.from_distributed import DistributedWeightSender
-
-        sender = DistributedWeightSender(accelerator, model, r.urls, master_address=w.master_address,
-                                         master_port=w.master_port, backend=w.backend, load_format=w.load_format, **common)
+        from grpo_accel.sglang.from_distributed import DistributedWeightSender as Sender
     elif w.method == "disk":
-        from grpo_accel.sglang.from_disk import DiskWeightSender
-
-        sender = DiskWeightSender(accelerator, model, r.urls, w.disk_path or Path(cfg.output_dir) / "weights", **common)
+        from grpo_accel.sglang.from_disk import DiskWeightSender as Sender
     else:
-        from grpo_accel.sglang.from_tensor import TensorWeightSender
-
-        sender = TensorWeightSender(accelerator, model, r.urls, **common)
+        from grpo_accel.sglang.from_tensor import TensorWeightSender as Sender
+    signature = Sender if w.method != "tensor" else SGLangSender  # TensorWeightSender passes its arguments on
+    settings = by_name(signature, w, skip=("dtype", "method", "urls"))  # bucket_mb, timeout_s, pause_mode, ...
+    if w.method == "disk":
+        settings["path"] = w.disk_path or Path(cfg.output_dir) / "weights"
+    sender = Sender(accelerator, model, r.urls, api_key=r.api_key, dtype=getattr(torch, w.dtype), names=SGLANG_NAMES,
+                    memory_record=Path(cfg.output_dir) / "sglang_memory.json" if r.colocate else None, **settings)
     return engine, sender
 
 

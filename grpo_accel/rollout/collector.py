@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
@@ -12,12 +13,12 @@ from tensordict import TensorDict
 from grpo_accel import batch
 from grpo_accel.advantages import group_advantages
 from grpo_accel.contracts import Collector, RolloutEngine
-from grpo_accel.data.prompts import OVERLONG, DataError, Prompts, check_columns, encode_prompts, fit_prompts
+from grpo_accel.data.prompts import DataError, Prompts, check_prompts, encode_prompts
 from grpo_accel.distributed import any_process
 from grpo_accel.layout import BatchLayout
 from grpo_accel.rewards import EPISODE_FIELDS, PROVIDED_FIELDS, RewardSet
 from grpo_accel.rewards.calling import TRAINER_ARGUMENTS
-from grpo_accel.rules import check_choice, setting
+from grpo_accel.rules import setting
 from grpo_accel.rollout.episodes import completion_budget
 from grpo_accel.rollout.sampling import group_seeds
 
@@ -86,13 +87,6 @@ def check_context(prompts: list[list[int]], limit: int | None, max_new_tokens: i
 
 _CONTEXT = ("SGLang: the servers' shortest context less one, at most their max_req_input_len; embedded: the model's "
             "max_position_embeddings")
-
-
-def read_back(tokenizer, text: str) -> str | None:
-    """``decode(encode(text))`` when it differs from ``text`` beyond whitespace (a tokenizer that drops or changes
-    characters), else None."""
-    back = tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"], clean_up_tokenization_spaces=False)
-    return None if back.split() == text.split() else back
 
 
 class GRPOCollector(Collector):
@@ -185,33 +179,14 @@ class GRPOCollector(Collector):
             if environment is None and (needs := [c for c in columns if c in EPISODE_FIELDS]):
                 raise DataError(f"reward {name!r} needs {needs}, which only multi-turn episodes provide; set "
                                 f"{setting(names, 'environment')}, or drop that reward.")
-        check_columns(rows, rewards.required_columns(PROVIDED_FIELDS + (EPISODE_FIELDS if environment else ())))
-        # every row rendered, tokenised and checked before any batch
-        check_choice(setting(names, "overlong_prompts"), overlong_prompts, OVERLONG, owner="GRPOCollector: ")
-        limit = max_prompt_tokens if overlong_prompts == "error" else None
-        if self.episodes is not None:
-            encoded = self.episodes.encode(rows, max_tokens=limit, names=names)
-        else:
-            encoded = encode_prompts(rows, tokenizer, prompt_field=prompt_field, system_prompt=system_prompt,
-                                     max_tokens=limit, names=names)
-        self.rows, self.prompts, changed = (rows, encoded, []) if max_prompt_tokens is None else fit_prompts(
-            rows, encoded, max_prompt_tokens, overlong_prompts, tokenizer)
-        if changed and rank == 0:
-            logger.warning("%s=%s: %s %d of %d rows whose prompts are longer than %s=%d tokens (row %d: %d tokens)",
-                           setting(names, "overlong_prompts"), overlong_prompts,
-                           "dropped" if overlong_prompts == "drop" else "kept the last tokens of", len(changed),
-                           len(rows), setting(names, "max_prompt_tokens"), max_prompt_tokens, changed[0],
-                           len(encoded.ids[changed[0]]))
-        if rows and not self.rows:
-            raise DataError(f"{setting(names, 'overlong_prompts')}=drop dropped every row: all {len(rows)} prompts are "
-                            f"longer than {setting(names, 'max_prompt_tokens')}={max_prompt_tokens}; raise it.")
-        if rank == 0 and len(self.rows) < layout.prompts:
-            logger.warning("%s=%d is more than the data's %d rows: every batch repeats rows (each about %.1f times), "
-                           "so its groups are not independent prompts; use more rows or fewer prompts per batch",
-                           setting(names, "prompts_per_batch"), layout.prompts, len(self.rows),
-                           layout.prompts / len(self.rows))
+        encode = (partial(self.episodes.encode, names=names) if self.episodes is not None else
+                  partial(encode_prompts, tokenizer=tokenizer, prompt_field=prompt_field, system_prompt=system_prompt,
+                          names=names))
+        self.rows, self.prompts = check_prompts(  # every row rendered, tokenised and checked before any batch
+            rows, tokenizer, encode, required=rewards.required_columns(
+                PROVIDED_FIELDS + (EPISODE_FIELDS if environment else ())), max_prompt_tokens=max_prompt_tokens,
+            overlong_prompts=overlong_prompts, prompts_per_batch=layout.prompts, say=rank == 0, names=names)
         self._order = self._shuffled(0)
-        self._warn_unknown_tokens()
         check_context(self.prompts.ids, engine.context_limit, engine.max_new_tokens, max_prompt_tokens, names)
 
     @property
@@ -241,28 +216,6 @@ class GRPOCollector(Collector):
             out.append(self._order[self.position])
             self.position += 1
         return out
-
-    def _warn_unknown_tokens(self) -> None:
-        """Prompts the model cannot read as written: text mapped to the unknown token, or dropped by the
-        tokenizer (a round trip, decode(encode(text)), that loses characters)."""
-        unk = getattr(self.tokenizer, "unk_token_id", None)
-        if unk is None:
-            return
-        rows = [i for i, ids in enumerate(self.prompts.ids) if unk in ids]
-        if rows:
-            logger.warning("%d of %d prompts hold text the tokenizer maps to its unknown token %r (first: row %d, %r); "
-                           "the model cannot read that text: use a tokenizer that covers it",
-                           len(rows), len(self.rows), self.tokenizer.unk_token, rows[0],
-                           self.prompts.texts[rows[0]][:80])
-        unknown = set(rows)
-        lost = [(i, back) for i, text in enumerate(self.prompts.texts) if i not in unknown
-                and (back := read_back(self.tokenizer, text)) is not None]
-        if lost:  # a tokenizer that drops what it cannot encode: nothing maps to the unknown token
-            row, back = lost[0]
-            logger.warning("%d of %d prompts do not read back as written: the tokenizer drops text it cannot encode "
-                           "(first: row %d, %r reads back as %r); the model trains on what it reads: use the model's "
-                           "own tokenizer, or normalise the text (e.g. unicodedata NFKC)", len(lost), len(self.rows),
-                           row, self.prompts.texts[row][:80], back[:80])
 
     def collect(self) -> TensorDict:
         """One scored rollout TensorDict [layout.completions_per_process] (keys: grpo_accel.batch). Its ``stats`` hold

@@ -161,3 +161,41 @@ def test_the_layout_line_names_a_short_last_micro_batch_and_the_steps_it_shrinks
     assert "16 per process in 3 micro-batches: 2 of 7 and 1 of 2; 1 micro-batches per optimizer step = 14, 14 and 4 " \
            "completions in its optimizer steps over 2 processes" in BatchLayout(4, 8, 2).describe(7, 1)
     assert "5 micro-batches per optimizer step = 32 completions per optimizer step" in BatchLayout(4, 8).describe(7, 5)
+
+
+def test_settings_reach_their_components_by_name(tmp_path):
+    """House 5: a component's settings are passed by name (recipe.build.by_name), so a setting is one schema line.
+    Settings off their defaults in four sections arrive in the trainer, the loss, the collector and the engine."""
+    from dataclasses import dataclass
+
+    from grpo_accel.recipe.build import build_trainer, by_name, close_parts
+    from trainer_utils import reset_accelerate_state
+
+    @dataclass
+    class A:
+        x: int = 1
+        y: int = 2
+
+    @dataclass
+    class B:
+        y: int = 3
+        z: int = 4
+
+    def target(x, y, *, w=0):
+        return x, y, w
+
+    assert by_name(target, A()) == {"x": 1, "y": 2} and by_name(target, A(), B(), skip=("y",)) == {"x": 1}
+    with pytest.raises(TypeError, match="y: given by two config sections"):
+        by_name(target, A(), B())
+    cfg = load_config(None, [f"output_dir={tmp_path}", "trainer.progress_bar=false", "trainer.log_interval=3",
+                             "trainer.max_staleness=4", "loss.tis_min=0.25", "loss.kl_estimator=k2",
+                             "rollout.max_extra_rounds=7", "rollout.top_k=5", "optim.clip_norm=0.5"])
+    trainer = build_trainer(cfg)
+    try:
+        assert (trainer.reporter.settings.log_interval, trainer.max_staleness) == (3, 4)
+        assert trainer.stepper.clip_norm == 0.5
+        assert (trainer.unwrapped_loss.tis_min, trainer.unwrapped_loss.kl_estimator) == (0.25, "k2")
+        assert (trainer.collector.max_extra_rounds, trainer.collector.engine.settings.top_k) == (7, 5)
+    finally:
+        close_parts(trainer)
+        reset_accelerate_state()
