@@ -135,7 +135,7 @@ dist.broadcast(t, src=0, group=pg)
 print(t.tolist(), flush=True)
 dist.destroy_process_group(pg)
 os._exit(0)  # gloo's teardown at interpreter exit aborted now and then (SIGABRT, "terminate called without an
-# active exception") after the broadcast had arrived: what launch/ does too (runtime.exit_skipping_teardown)
+# active exception") after the broadcast had arrived: what launch/ does too (runtime.signals.exit_skipping_teardown)
 """
 
 
@@ -147,7 +147,7 @@ def test_the_trainer_and_sglangs_own_join_meet_in_one_group(source):
     port = free_port()
     group = WeightUpdateGroup("gloo", "127.0.0.1", port, 2, "weight_update_group", timeout_s=60)
     name = group.new_name()
-    code = JOINER.format(tests=str(ROOT / "tests" / "on_sglang"), version=source.version, port=port, name=name)
+    code = JOINER.format(tests=str(ROOT / "launch" / "bench"), version=source.version, port=port, name=name)
     server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         group.join(name)

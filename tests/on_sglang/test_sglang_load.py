@@ -290,7 +290,7 @@ def test_servers_on_another_host_get_the_weights_with_no_address_set(tmp_path, m
     with two_hosts() as hosts:
         address = hosts.addresses[1]
         urls = [f"http://{address}:30000", f"http://{address}:30001"]
-        servers = [subprocess.Popen([*hosts.prefix(1), sys.executable, str(ROOT / "tests" / "on_sglang" / "sglang_standin"),
+        servers = [subprocess.Popen([*hosts.prefix(1), sys.executable, str(ROOT / "launch" / "bench" / "sglang_standin"),
                                      "--host", address, "--port", url.rsplit(":", 1)[1], "--model", str(model_dir),
                                      "--sglang-version", version, "--deterministic", *flags],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
