@@ -1,5 +1,6 @@
 """The configuration reference, read from the schema: every key with its type, default and meaning (the docstring
-under its field in :mod:`grpo_accel.config.schema` and :mod:`grpo_accel.config.rollout_schema`). One text serves
+under its field in :mod:`grpo_accel.config.schema`, :mod:`grpo_accel.config.rollout_schema` and
+:mod:`grpo_accel.config.outputs`). One text serves
 ``grpo-accel train --help`` and the documentation's configuration page (docs/hooks.py renders it there)."""
 from __future__ import annotations
 
