@@ -13,6 +13,8 @@ loads the same weights. The built-in tiny model is constructed directly, whole a
 from __future__ import annotations
 
 import copy
+import dataclasses
+import inspect
 import logging
 from pathlib import Path
 
@@ -41,9 +43,6 @@ def by_name(target, *sections, skip: tuple[str, ...] = ()) -> dict:
     """The settings of ``sections`` (config dataclasses) that ``target`` takes as arguments of the same name: a
     component's settings are wired by name, so that a new one is a schema line and the code that uses it. Two
     sections giving one name is refused (name it in ``skip`` and pass it by hand)."""
-    import dataclasses
-    import inspect
-
     parameters = inspect.signature(target).parameters
     wired: dict = {}
     for section in sections:
@@ -319,7 +318,6 @@ def _sglang_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
 
     from grpo_accel.batch import stop_token_ids
     from grpo_accel.sglang.engine import SGLangEngine
-    from grpo_accel.sglang.sender import SGLangSender
 
     r, w = cfg.rollout, cfg.weight_sync
     engine = SGLangEngine(tokenizer=tokenizer, retries=r.request_retries, **by_name(SGLangEngine, r, w),
@@ -337,8 +335,7 @@ def _sglang_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
         from grpo_accel.sglang.from_disk import DiskWeightSender as Sender
     else:
         from grpo_accel.sglang.from_tensor import TensorWeightSender as Sender
-    signature = Sender if w.method != "tensor" else SGLangSender  # TensorWeightSender passes its arguments on
-    settings = by_name(signature, w, skip=("dtype", "method", "urls"))  # bucket_mb, timeout_s, pause_mode, ...
+    settings = by_name(Sender, w, skip=("dtype",))  # bucket_mb, timeout_s, pause_mode, ...; dtype converted below
     if w.method == "disk":
         settings["path"] = w.disk_path or Path(cfg.output_dir) / "weights"
     sender = Sender(accelerator, model, r.urls, api_key=r.api_key, dtype=getattr(torch, w.dtype), names=SGLANG_NAMES,

@@ -3,6 +3,8 @@ the trainer side for its serializer, and a GPU)."""
 from __future__ import annotations
 
 import base64
+from pathlib import Path
+from typing import Mapping
 
 import torch
 
@@ -39,7 +41,10 @@ class TensorWeightSender(SGLangSender):
     """``/update_weights_from_tensor``: CUDA IPC handles to servers on the same node. Needs ``sglang`` importable
     on the trainer side (its allow-list unpickler accepts only SGLang's own classes) and a GPU."""
 
-    def __init__(self, accelerator, model, urls: list[str], **kwargs) -> None:
+    def __init__(self, accelerator, model, urls: list[str], *, bucket_mb: float = 512,
+                 dtype: torch.dtype = torch.bfloat16, api_key: str | None = None, admin_api_key: str | None = None,
+                 max_attempts: int = 2, verify_tensors: int = 2, timeout_s: float = 600.0, pause_mode: str = "retract",
+                 memory_record: str | Path | None = None, names: Mapping[str, str] | None = None) -> None:
         try:
             from sglang.srt.utils import MultiprocessingSerializer  # noqa: F401
         except ImportError as exc:
@@ -47,4 +52,7 @@ class TensorWeightSender(SGLangSender):
                               "'grpo_accel[sglang]' (GPU machines), or use method=distributed or disk.") from exc
         if not torch.cuda.is_available():
             raise RuntimeError("TensorWeightSender passes CUDA IPC handles and needs a GPU on the same node.")
-        super().__init__(accelerator, model, urls, TensorTransport.method, TensorTransport, **kwargs)
+        super().__init__(accelerator, model, urls, TensorTransport.method, TensorTransport, api_key=api_key,
+                         admin_api_key=admin_api_key, bucket_mb=bucket_mb, dtype=dtype, max_attempts=max_attempts,
+                         verify_tensors=verify_tensors, timeout_s=timeout_s, pause_mode=pause_mode,
+                         memory_record=memory_record, names=names)
