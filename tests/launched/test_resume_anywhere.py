@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from grpo_accel.checkpoint import Checkpoint, CheckpointError
+from grpo_accel.checkpoint import Checkpoint, CheckpointError, CheckpointRotation
 from launching import ROOT, launch
 from trainer_utils import train_in_process
 
@@ -104,7 +104,7 @@ def test_a_zero2_job_requeued_on_one_process_keeps_its_batch_and_curves(tmp_path
     """The issue's own commands: 2 processes under ZeRO-2 saved at batch 2, resumed by one process without
     DeepSpeed. The batch stays the batch (128 completions per optimizer step: 64 x 2 accumulation now), every
     frame is counted once, the curves are the straight run's (other reduction order: to 1e-5), the tracker continues.
-    A second resume of the same checkpoint reuses its portable form."""
+    A second resume of the same checkpoint reuses its portable form; a rotation deletes it with its checkpoint."""
     from grpo_accel.reporting.event_files import read_scalars
 
     straight = source("zero2.yaml")
@@ -129,6 +129,9 @@ def test_a_zero2_job_requeued_on_one_process_keeps_its_batch_and_curves(tmp_path
     assert "through its portable form step_00000002.portable" in again.stderr
     assert "made by an earlier resume" in again.stderr
     assert not (run / "checkpoints" / "step_00000004.portable").exists()
+    # the rotation deletes a checkpoint with its portable form
+    Checkpoint(run / "checkpoints").rotate(CheckpointRotation(keep_last=1), current=4)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000004"]
 
 
 def test_a_zero2_run_moved_to_zero3_after_an_out_of_memory_trains_on(tmp_path, source):
@@ -231,17 +234,6 @@ def _tiny_trainable_shapes():
     cfg = load_config(None, [])
     model, _ = build_policy(cfg.model, build_tokenizer(cfg.model), with_reference=False, seed=cfg.trainer.seed)
     return {f"policy.{name}": tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
-
-
-def test_rotation_deletes_a_checkpoint_with_its_portable_form(tmp_path, source):
-    from grpo_accel.checkpoint import CheckpointRotation
-
-    run = from_batch_2(source("zero2.yaml"), tmp_path / "run")
-    launch("single_process.yaml", [f"output_dir={run}", *COMMON, "checkpoint.resume=auto"])
-    folder = Checkpoint(run / "checkpoints")
-    assert (run / "checkpoints" / "step_00000002.portable").is_dir()
-    folder.rotate(CheckpointRotation(keep_last=1), current=4)
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000004"]
 
 
 def test_a_job_whose_machine_dies_comes_back_by_itself(tmp_path):

@@ -149,36 +149,62 @@ def test_float64_models_keep_the_torch_ops(tokenizer):
     assert lean.native is None and lean.native_reason == "torch.float64 on cpu (the C step is float32 on CPU)"
 
 
-def test_a_corrupt_cached_library_is_rebuilt_with_one_line(tmp_path):
-    """Issue 49: a cached library cut short, overwritten with garbage or emptied stopped every run at its first
-    batch (an OSError traceback, or a crash for a file cut short). Run as a user runs it: the run rebuilds it,
-    says so in one line naming the file, and trains; the next run loads the rebuilt library silently."""
+def train_as_user(output_dir, cache, **env) -> list[str]:
+    """launch/train.py as a user runs it (one batch), ``cache`` its XDG_CACHE_HOME: the lines it wrote to stderr."""
     import os
     import subprocess
     import sys
 
     from launching import ROOT
 
-    env, kernels = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}, tmp_path / "cache" / "grpo_accel" / "kernels"
+    run = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), f"output_dir={output_dir}",
+                          "trainer.total_frames=128", "trainer.progress_bar=false"], capture_output=True, text=True,
+                         env={**os.environ, "XDG_CACHE_HOME": str(cache), **env}, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stderr.splitlines()
 
-    def train(name):
-        run = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), f"output_dir={tmp_path / name}",
-                              "trainer.total_frames=128", "trainer.progress_bar=false"],
-                             capture_output=True, text=True, env=env, timeout=300)
-        assert run.returncode == 0, run.stderr[-3000:]
-        return [line for line in run.stderr.splitlines() if "decode step:" in line]
 
-    assert train("first") == []
-    for name, damage in (("cut", lambda b: b[: len(b) // 2]), ("garbage", lambda b: b"not a library" * 100),
-                         ("empty", lambda b: b"")):
-        (library,) = kernels.glob("decode_step-*.so")
-        library.write_bytes(damage(library.read_bytes()))
-        said = train(name)
-        assert len(said) == 1 and said[0].endswith(f"decode step: the cached library {library} is damaged (its "
-                                                   "content does not match its name); rebuilding it"), said
-        (rebuilt,) = kernels.glob("decode_step-*.so")
-        assert native._intact(rebuilt)
-    assert train("after") == []
+def damage_lines(lines: list[str]) -> list[str]:
+    return [line for line in lines if "decode step:" in line]
+
+
+def decode_path(lines: list[str]) -> str:
+    """The one line a run says about its decode path."""
+    said = [line.split("grpo_accel.embedded.engine: ", 1)[1] for line in lines
+            if "grpo_accel.embedded.engine: decode: " in line]
+    assert len(said) == 1, lines[-30:]
+    return said[0]
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    """A run on an empty cache, which builds the C step: (its cache folder, its stderr lines)."""
+    root = tmp_path_factory.mktemp("first_run")
+    return root / "cache", train_as_user(root / "run", root / "cache")
+
+
+def test_a_corrupt_cached_library_is_rebuilt_with_one_line(tmp_path, first_run):
+    """Issue 49: a cached library cut short, overwritten with garbage or emptied stopped every run at its first
+    batch (an OSError traceback, or a crash for a file cut short). Run as a user runs it: the run rebuilds it,
+    says so in one line naming the file, and trains; the next run loads the rebuilt library silently. Each damage
+    fails the one check a run makes before it loads the library (content against name); the run meets one."""
+    import shutil
+
+    built, lines = first_run
+    assert damage_lines(lines) == []  # the first build says nothing of damage
+    cache = shutil.copytree(built, tmp_path / "cache")
+    (library,) = (cache / "grpo_accel" / "kernels").glob("decode_step-*.so")
+    whole = library.read_bytes()
+    for garbage in (b"not a library" * 100, b""):  # garbage and emptied: the check the cut one meets below
+        library.write_bytes(garbage)
+        assert not native._intact(library)
+    library.write_bytes(whole[: len(whole) // 2])  # cut short: loaded, it crashed the run
+    said = damage_lines(train_as_user(tmp_path / "cut", cache))
+    assert len(said) == 1 and said[0].endswith(f"decode step: the cached library {library} is damaged (its "
+                                               "content does not match its name); rebuilding it"), said
+    (rebuilt,) = (cache / "grpo_accel" / "kernels").glob("decode_step-*.so")
+    assert native._intact(rebuilt)
+    assert damage_lines(train_as_user(tmp_path / "after", cache)) == []
 
 
 def test_a_corrupt_library_that_cannot_be_rebuilt_keeps_the_torch_ops(fresh_build, monkeypatch, tokenizer, caplog):
@@ -193,32 +219,16 @@ def test_a_corrupt_library_that_cannot_be_rebuilt_keeps_the_torch_ops(fresh_buil
     assert LeanForward(_llama(tokenizer)).native is None
 
 
-def test_a_run_says_at_start_which_decode_path_it_takes_and_why_not_the_fast_one(tmp_path):
+def test_a_run_says_at_start_which_decode_path_it_takes_and_why_not_the_fast_one(tmp_path, first_run):
     """Issue 49: without a compiler, or with a cache folder that cannot be written, the decode step kept the torch
     ops silently (the reason went to log.debug). Run as a user runs it: one line names the path, and on the
     slower one why and how to get the C step."""
-    import os
-    import subprocess
-    import sys
-
-    from launching import ROOT
-
-    def said(name, **env):
-        run = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), f"output_dir={tmp_path / name}",
-                              "trainer.total_frames=128", "trainer.progress_bar=false"], capture_output=True,
-                             text=True, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / name / "cache"), **env},
-                             timeout=300)
-        assert run.returncode == 0, run.stderr[-3000:]
-        lines = [line.split("grpo_accel.embedded.engine: ", 1)[1] for line in run.stderr.splitlines()
-                 if "grpo_accel.embedded.engine: decode: " in line]
-        assert len(lines) == 1, run.stderr[-3000:]
-        return lines[0]
-
-    kernels = tmp_path / "fast" / "cache" / "grpo_accel" / "kernels"
-    assert said("fast") == f"decode: the lean decode loop with its C step ({next(kernels.glob('decode_step-*.so'))})"
-    assert said("no_cc", CC="/nonexistent") == ("decode: the lean decode loop on torch ops, without its C step: no C "
-                                                "compiler (/nonexistent not found): install one (e.g. apt install "
-                                                "gcc) or name it in CC")
-    line = said("unwritable", XDG_CACHE_HOME="/proc/nope")
+    cache, lines = first_run
+    kernels = cache / "grpo_accel" / "kernels"
+    assert decode_path(lines) == f"decode: the lean decode loop with its C step ({next(kernels.glob('decode_step-*.so'))})"
+    no_cc = decode_path(train_as_user(tmp_path / "no_cc", tmp_path / "no_cc_cache", CC="/nonexistent"))
+    assert no_cc == ("decode: the lean decode loop on torch ops, without its C step: no C compiler (/nonexistent not "
+                     "found): install one (e.g. apt install gcc) or name it in CC")
+    line = decode_path(train_as_user(tmp_path / "unwritable", "/proc/nope"))
     assert line.startswith("decode: the lean decode loop on torch ops, without its C step: could not build in "
                            "/proc/nope/grpo_accel/kernels (") and line.endswith("set XDG_CACHE_HOME to a writable folder")
