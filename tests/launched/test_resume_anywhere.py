@@ -130,6 +130,7 @@ def test_a_zero2_job_requeued_on_one_process_keeps_its_batch_and_curves(tmp_path
     assert "made by an earlier resume" in again.stderr
     assert not (run / "checkpoints" / "step_00000004.portable").exists()
     # the rotation deletes a checkpoint with its portable form
+    assert (run / "checkpoints" / "step_00000002.portable").is_dir()
     Checkpoint(run / "checkpoints").rotate(CheckpointRotation(keep_last=1), current=4)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000004"]
 

@@ -1,5 +1,10 @@
 """The decode step's C library (grpo_accel/embedded/native.py): its functions against torch's ops, the decode loop
 with it against the loop with torch's ops, its build once per machine, and the torch ops where it cannot be built."""
+import os
+import shutil
+import subprocess
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -151,10 +156,6 @@ def test_float64_models_keep_the_torch_ops(tokenizer):
 
 def train_as_user(output_dir, cache, **env) -> list[str]:
     """launch/train.py as a user runs it (one batch), ``cache`` its XDG_CACHE_HOME: the lines it wrote to stderr."""
-    import os
-    import subprocess
-    import sys
-
     from launching import ROOT
 
     run = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), f"output_dir={output_dir}",
@@ -188,8 +189,6 @@ def test_a_corrupt_cached_library_is_rebuilt_with_one_line(tmp_path, first_run):
     batch (an OSError traceback, or a crash for a file cut short). Run as a user runs it: the run rebuilds it,
     says so in one line naming the file, and trains; the next run loads the rebuilt library silently. Each damage
     fails the one check a run makes before it loads the library (content against name); the run meets one."""
-    import shutil
-
     built, lines = first_run
     assert damage_lines(lines) == []  # the first build says nothing of damage
     cache = shutil.copytree(built, tmp_path / "cache")
