@@ -1,4 +1,4 @@
-"""Shared by embedded/, logprobs.py, loss/, recipe/, reporting/, rollout/, sglang/ and trainer/.
+"""Shared by embedded/, logprobs.py, loss/, recipe/, reporting/, rollout/, server_rollouts.py and trainer/.
 
 The rollout TensorDict: its keys, shapes and padding rules, defined once.
 

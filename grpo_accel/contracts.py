@@ -1,4 +1,4 @@
-"""Shared by embedded/, loss/, reporting/, rollout/, sglang/, trainer/ and weight_sync/.
+"""Shared by embedded/, loss/, reporting/, rollout/, server_rollouts.py, trainer/ and weight_sync/.
 
 The parts that GRPOTrainer and the recipe plug together, declared once: what each part must provide, what it
 may leave to a default, and who calls it when. A part of your own subclasses its contract here; the trainer and
@@ -6,11 +6,12 @@ the launcher call these members and nothing else (they never ask a part what it 
 
 | contract            | built-in parts                                | called by                                  |
 |---------------------|-----------------------------------------------|--------------------------------------------|
-| RolloutEngine       | EmbeddedEngine, SGLangEngine                  | the collector, episodes, evaluation        |
+| RolloutEngine       | EmbeddedEngine, SGLangEngine, VLLMEngine      | the collector, episodes, evaluation        |
 | Collector           | GRPOCollector                                 | the trainer (a background thread if async) |
 | LossModule          | GRPOLoss                                      | the trainer, per micro-batch               |
 | OptimizationStepper | MixedPrecisionOptimizationStepper             | the trainer, per micro-batch               |
-| WeightSender        | EmbeddedWeightSync, SGLang's three senders    | the trainer, after optimising; on resume   |
+| WeightSender        | EmbeddedWeightSync, SGLang's three senders,   | the trainer, after optimising; on resume   |
+|                     | VLLMDiskSender                                |                                            |
 | Logger              | TensorBoardLogger, Trackers (Accelerate's)    | the trainer's reporter                     |
 
 Where torchrl's specification takes a duck type, so does the trainer: a weight-sync sender with only

@@ -1,6 +1,7 @@
-"""Shared by rewards/ and sglang/.
+"""Shared by rewards/, server_rollouts.py, sglang/ and vllm/.
 
-A small JSON-over-HTTP client for SGLang servers: bearer key, bounded retries with backoff, clear errors."""
+A small JSON-over-HTTP client for inference servers and reward services: bearer key, bounded retries with backoff,
+clear errors."""
 from __future__ import annotations
 
 import json
@@ -29,12 +30,12 @@ class HTTPClient:
     """``post``/``get`` JSON to one server. 5xx answers and connection errors are retried ``retries`` times with
     exponential backoff (``backoff_s`` doubling); 4xx answers are the caller's fault and raise at once with the
     server's message. ``api_key`` goes out as a bearer token; a 401/403 names ``key_setting``, the setting that
-    holds the key."""
+    holds the key; ``kind`` is what messages call the server (e.g. "SGLang server")."""
 
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0, retries: int = 3,
-                 backoff_s: float = 0.5, key_setting: str = "api_key") -> None:
+                 backoff_s: float = 0.5, key_setting: str = "api_key", kind: str = "server") -> None:
         self.url, self.api_key, self.timeout_s = url.rstrip("/"), api_key, timeout_s
-        self.retries, self.backoff_s, self.key_setting = retries, backoff_s, key_setting
+        self.retries, self.backoff_s, self.key_setting, self.kind = retries, backoff_s, key_setting, kind
 
     def _request(self, method: str, path: str, body: dict | None, retries: int | None = None,
                  timeout_s: float | None = None):
@@ -100,22 +101,22 @@ class HTTPClient:
             if now >= report_at:
                 hint = (f" (connection refused: nothing listens there yet; is the server started, is {urls} right?)"
                         if "refused" in str(last).lower() else "")
-                logger.warning("waiting for SGLang server %s: %s%s; %.0f s left of %s", self.url, last, hint,
+                logger.warning("waiting for %s %s: %s%s; %.0f s left of %s", self.kind, self.url, last, hint,
                                deadline - now, timeout)
                 report_at = now + report_every_s
             time.sleep(poll_s)
-        raise ServerError(f"SGLang server {self.url} did not answer {path} within {timeout_s:.0f} s (last error: "
+        raise ServerError(f"{self.kind} {self.url} did not answer {path} within {timeout_s:.0f} s (last error: "
                           f"{last}); check that it is running and {urls} is right, or raise {timeout}.")
 
     def wait_healthy(self, timeout_s: float, poll_s: float = 0.5, report_every_s: float = 10.0,
                      names: Mapping[str, str] | None = None, request_timeout_s: float | None = None) -> None:
         """:meth:`wait_for` ``/health``: in SGLang a one-token generation, which a paused server, or (0.5.9) one
-        with memory released, never runs (503). It needs no key: it proves nothing of one."""
+        with memory released, never runs (503); in vLLM the engine's liveness. It needs no key: it proves nothing of one."""
         self.wait_for("/health", timeout_s, poll_s, report_every_s, names, request_timeout_s)
 
 
 def _error_message(exc: urllib.error.HTTPError) -> str:
-    """SGLang's error bodies: {"error": {"message"}}, {"error": "Unauthorized"}, {"success": false, "message"},
+    """SGLang's and vLLM's error bodies: {"error": {"message"}}, {"error": "Unauthorized"}, {"success": false, "message"},
     FastAPI's {"detail"}."""
     try:
         body = json.loads(exc.read().decode())

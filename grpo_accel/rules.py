@@ -1,5 +1,5 @@
 """Shared by checkpoint.py, cli/, config/, data/, http.py, layout.py, loss/, recipe/, reporting/, rewards/,
-rollout/, sglang/ and trainer/.
+rollout/, sglang/, trainer/ and vllm/.
 
 Each rule about a setting's value, once. The YAML config (``grpo_accel.config.schema``, naming its keys) and the
 Python API (``GRPOLoss``, ``GRPOTrainer``, the collector, ..., naming their arguments) check through

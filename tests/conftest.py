@@ -11,8 +11,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 # tests/ by what they exercise: units/ (functions and parts in this process), launched/ (real launches of several
-# processes), on_sglang/ (against the SGLang stand-in, launch/bench/sglang_standin), user/ (as a user meets it: the
-# README, the docs, the command, errors); the helpers every folder imports by name live in helpers/
+# processes), on_sglang/ (against the SGLang stand-in, launch/bench/sglang_standin), on_vllm/ (against a real vLLM
+# server), user/ (as a user meets it: the README, the docs, the command, errors); the helpers every folder imports
+# by name live in helpers/
 sys.path[:0] = [str(ROOT / "tests" / "helpers"), str(ROOT / "launch" / "bench")]
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # The caller's thread setting would reach every run the tests launch and change what they check (threads per

@@ -1,5 +1,6 @@
 """The config sections of how completions are made, scored and kept current: ``rollout`` (the engine and the
-batches it samples), ``rewards`` (one entry per reward) and ``weight_sync`` (pushing trained weights to SGLang).
+batches it samples), ``rewards`` (one entry per reward) and ``weight_sync`` (pushing trained weights to the
+servers).
 The rest of the schema is :mod:`grpo_accel.config.schema`."""
 from __future__ import annotations
 
@@ -10,27 +11,31 @@ from grpo_accel.rules import DTYPES
 from grpo_accel.sglang.api import LOAD_FORMATS, PAUSE_MODES
 
 
+BACKENDS = ("embedded", "sglang", "vllm")
+
+
 @dataclass
 class RolloutConfig:
     backend: str = "embedded"
-    """Inference engine: "embedded" (transformers generate in the trainer process) or "sglang" (HTTP servers)."""
+    """Inference engine: "embedded" (transformers generate in the trainer process), "sglang" or "vllm" (HTTP
+    servers; vLLM's started with VLLM_SERVER_DEV_MODE=1, as trl vllm-serve does)."""
     urls: list[str] = field(default_factory=list)
-    """SGLang: one server URL per engine replica, e.g. [http://10.0.0.2:30000]."""
+    """SGLang and vLLM: one server URL per engine replica, e.g. [http://10.0.0.2:30000]."""
     api_key: str | None = None
-    """SGLang: the servers' --api-key, sent as a bearer token (/generate, /server_info; weight endpoints too when
-    the servers have no --admin-api-key). A secret: ${NAME} reads environment variable NAME; the run's records
-    hold the reference, or *** for a value given here."""
+    """SGLang and vLLM: the servers' --api-key, sent as a bearer token (SGLang: /generate, /server_info; weight
+    endpoints too when the servers have no --admin-api-key; vLLM: its /v1 routes). A secret: ${NAME} reads
+    environment variable NAME; the run's records hold the reference, or *** for a value given here."""
     health_timeout_s: float = 300.0
-    """SGLang: how long to wait for every server at start (its /server_info), and again for its /health (a
-    one-token generation) before the first batch."""
+    """SGLang and vLLM: how long to wait for every server at start (SGLang: its /server_info, and again for its
+    /health, a one-token generation, before the first batch; vLLM: its /health)."""
     request_retries: int = 3
-    """SGLang: retries (exponential backoff) of one request for 5xx answers, unreachable servers and timeouts,
+    """SGLang and vLLM: retries (exponential backoff) of one request for 5xx answers, unreachable servers and timeouts,
     and aborts that brought no token (an abort with tokens is continued, never counted)."""
     request_size: int = 64
-    """SGLang: completions per /generate request at most; a server's share of a batch goes out as several
-    requests at once, each retried on its own."""
+    """SGLang and vLLM: completions per request at most; a server's share of a batch goes out as several
+    requests at once, each retried on its own (vLLM: one request per prompt, its completions sampled together)."""
     request_timeout_s: float = 600.0
-    """SGLang: seconds one /generate request may take before it counts as failed and is sent again."""
+    """SGLang and vLLM: seconds one request may take before it is aborted on the server and sent again."""
     prompts_per_batch: int = 16
     """Prompts per collected batch, over all processes."""
     group_size: int = 8
@@ -71,16 +76,16 @@ class RolloutConfig:
     """Episodes with the built-in tool environment: each tool call's time limit; a slower call is answered with
     an error message, as are failing calls."""
     colocate: bool = False
-    """SGLang on the trainer's own GPUs (servers started with --enable-memory-saver): they free their KV cache,
-    weights and CUDA graphs while the trainer optimises and take them back around each push."""
+    """SGLang or vLLM on the trainer's own GPUs (SGLang started with --enable-memory-saver, vLLM with
+    --enable-sleep-mode): they free their memory while the trainer optimises and take it back around each push."""
     zero3_gather_full: bool = False
     """ZeRO-3 only: gather the whole policy once around generation (every rank then holds the full model)
     instead of DeepSpeed fetching each module's shards at every decoding step (memory bounded by a module)."""
 
     def __post_init__(self) -> None:
-        check_choice("rollout.backend", self.backend, ("embedded", "sglang"))
-        check_key(self.backend != "sglang" or bool(self.urls), "rollout.urls", self.urls,
-                  "rollout.backend=sglang needs the server URLs, e.g. rollout.urls=[http://host:30000].")
+        check_choice("rollout.backend", self.backend, BACKENDS)
+        check_key(self.backend == "embedded" or bool(self.urls), "rollout.urls", self.urls,
+                  f"rollout.backend={self.backend} needs the server URLs, e.g. rollout.urls=[http://host:30000].")
         check_rules("rollout", self, group_size="group_size", prompts_per_batch="positive_count",
                     max_new_tokens="model_count", max_prompt_tokens="model_count", temperature="temperature",
                     top_p="top_p", top_k="top_k", max_extra_rounds="non_negative_count", max_turns="max_turns",
@@ -91,8 +96,9 @@ class RolloutConfig:
         check_choice("rollout.decoder", self.decoder, DECODERS)
         check_key(not self.embedded_worker or self.backend == "embedded", "rollout.embedded_worker", self.embedded_worker,
                   "a decode worker belongs to the embedded engine; set rollout.backend=embedded or drop it.")
-        check_key(not self.colocate or self.backend == "sglang", "rollout.colocate", self.colocate,
-                  "colocation shares the trainer's GPUs with SGLang servers; set rollout.backend=sglang or drop it.")
+        check_key(not self.colocate or self.backend != "embedded", "rollout.colocate", self.colocate,
+                  "colocation shares the trainer's GPUs with inference servers; set rollout.backend=sglang or vllm, "
+                  "or drop it.")
 
     @property
     def max_completion_tokens(self) -> int:
@@ -151,10 +157,11 @@ class RewardConfig:
 
 @dataclass
 class WeightSyncConfig:
-    """How trained weights reach SGLang servers (rollout.backend=sglang)."""
+    """How trained weights reach the servers (rollout.backend=sglang or vllm)."""
 
     method: str = "distributed"
-    """distributed (NCCL/gloo broadcast), disk (safetensors + /update_weights_from_disk) or tensor (CUDA IPC)."""
+    """distributed (NCCL/gloo broadcast), disk (safetensors the servers load: SGLang's /update_weights_from_disk,
+    vLLM's reload_weights) or tensor (CUDA IPC). vLLM: disk."""
     bucket_mb: float = 512.0
     """Megabytes per bucket: bounds the extra memory of the ZeRO-3 gather on every rank."""
     load_format: str = "per_tensor"
@@ -184,7 +191,8 @@ class WeightSyncConfig:
     """Seconds each HTTP request to a server may take (a weight push, a check) before it is an error."""
     pause_mode: str = "retract"
     """How a push pauses the servers: retract (in-flight requests keep their tokens and finish with the new
-    weights: partial rollouts) or abort (they come back cut short and are continued from what they had)."""
+    weights: partial rollouts; vLLM's pause mode keep) or abort (they come back cut short and are continued from
+    what they had)."""
 
     def __post_init__(self) -> None:
         check_choice("weight_sync.method", self.method, ("distributed", "disk", "tensor"))

@@ -12,9 +12,6 @@ loads the same weights. The built-in tiny model is constructed directly, whole a
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
-import inspect
 import logging
 from pathlib import Path
 
@@ -22,36 +19,10 @@ from grpo_accel.distributed import first_process, full_numel
 from grpo_accel.layout import BatchLayout
 from grpo_accel.config.checks import ConfigError
 from grpo_accel.config.schema import GRPOConfig
+from grpo_accel.recipe.engines import build_engine_and_sender
+from grpo_accel.recipe.wiring import COLLECTOR_NAMES, LAYOUT_NAMES, by_name
 
 log = logging.getLogger(__name__)
-
-
-# What the parts' messages call the settings they name, as the config spells them (grpo_accel.rules.setting): a part
-# built by the recipe says "rollout.max_new_tokens" where, built by hand, it says "max_new_tokens".
-LAYOUT_NAMES = {"prompts": "rollout.prompts_per_batch", "group_size": "rollout.group_size",
-                "processes": "the launch's --num_processes", "micro_batch": "trainer.micro_batch_completions",
-                "accumulation": "trainer.gradient_accumulation_steps", "sampled": "trainer.optim_steps_per_batch"}
-COLLECTOR_NAMES = {**{key: f"rollout.{key}" for key in ("max_new_tokens", "max_prompt_tokens", "environment")},
-                   "overlong_prompts": "data.overlong_prompts", "prompts_per_batch": "rollout.prompts_per_batch"}
-SGLANG_NAMES = {"api_key": "rollout.api_key", "admin_api_key": "weight_sync.admin_api_key",
-                "health_timeout_s": "rollout.health_timeout_s", "urls": "rollout.urls",
-                "master_address": "weight_sync.master_address", "master_port": "weight_sync.master_port",
-                "timeout_s": "weight_sync.timeout_s", "pause_mode": "weight_sync.pause_mode", "load_format": "weight_sync.load_format"}
-
-
-def by_name(target, *sections, skip: tuple[str, ...] = ()) -> dict:
-    """The settings of ``sections`` (config dataclasses) that ``target`` takes as arguments of the same name: a
-    component's settings are wired by name, so that a new one is a schema line and the code that uses it. Two
-    sections giving one name is refused (name it in ``skip`` and pass it by hand)."""
-    parameters = inspect.signature(target).parameters
-    wired: dict = {}
-    for section in sections:
-        for field in dataclasses.fields(section):
-            if field.name in parameters and field.name not in skip:
-                if field.name in wired:
-                    raise TypeError(f"{field.name}: given by two config sections; skip it and pass it by hand")
-                wired[field.name] = getattr(section, field.name)
-    return wired
 
 
 def batch_layout(cfg: GRPOConfig, num_processes: int) -> tuple[BatchLayout, int]:
@@ -293,54 +264,6 @@ def close_parts(trainer, outcome: str = "finished") -> None:
     trainer.collector.close()
     if trainer.logger is not None:
         trainer.logger.close(outcome)
-
-
-def build_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
-    """The rollout engine and the weight-sync sender that keeps it current."""
-    if cfg.rollout.backend == "sglang":
-        return _sglang_engine_and_sender(cfg, model, tokenizer, accelerator)
-    from grpo_accel.distributed import gathered_parameters, zero3_partitioned
-    from grpo_accel.embedded.engine import EmbeddedEngine
-    from grpo_accel.embedded.sender import EmbeddedWeightSync
-
-    r = cfg.rollout
-    # Async collection generates while the policy is updated, so the engine needs its own copy of the weights (not
-    # of ZeRO-3 shards: the trainer refuses an embedded engine beside ZeRO-3 in async mode, saying why).
-    copies = cfg.trainer.async_collection and not zero3_partitioned()
-    engine_model = copy.deepcopy(model) if copies else model
-    engine = EmbeddedEngine(engine_model, tokenizer, worker=r.embedded_worker, **by_name(EmbeddedEngine, r),
-                            gather=(lambda: gathered_parameters(model.parameters())) if r.zero3_gather_full else None)
-    return engine, EmbeddedWeightSync(engine, source=model)
-
-
-def _sglang_engine_and_sender(cfg: GRPOConfig, model, tokenizer, accelerator):
-    import torch
-
-    from grpo_accel.batch import stop_token_ids
-    from grpo_accel.sglang.engine import SGLangEngine
-
-    r, w = cfg.rollout, cfg.weight_sync
-    engine = SGLangEngine(tokenizer=tokenizer, retries=r.request_retries, **by_name(SGLangEngine, r, w),
-                          stop_token_ids=stop_token_ids(tokenizer, model.generation_config), names=SGLANG_NAMES)
-    if accelerator.is_main_process:
-        log.info(engine.description)
-    saving = [i.url for i in engine.servers if not i.memory_saver]
-    if r.colocate and saving:
-        raise ConfigError(f"rollout.colocate=true: {', '.join(saving)} runs without --enable-memory-saver, so it "
-                          "cannot free its GPU memory for training; start it with that flag, or set "
-                          "rollout.colocate=false.")
-    if w.method == "distributed":
-        from grpo_accel.sglang.from_distributed import DistributedWeightSender as Sender
-    elif w.method == "disk":
-        from grpo_accel.sglang.from_disk import DiskWeightSender as Sender
-    else:
-        from grpo_accel.sglang.from_tensor import TensorWeightSender as Sender
-    settings = by_name(Sender, w, skip=("dtype",))  # bucket_mb, timeout_s, pause_mode, ...; dtype converted below
-    if w.method == "disk":
-        settings["path"] = w.disk_path or Path(cfg.output_dir) / "weights"
-    sender = Sender(accelerator, model, r.urls, api_key=r.api_key, dtype=getattr(torch, w.dtype), names=SGLANG_NAMES,
-                    memory_record=Path(cfg.output_dir) / "sglang_memory.json" if r.colocate else None, **settings)
-    return engine, sender
 
 
 def summarize(trainer, wall_s: float) -> dict:

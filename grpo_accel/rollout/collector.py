@@ -82,11 +82,12 @@ def check_context(prompts: list[list[int]], limit: int | None, max_new_tokens: i
             f"{new}={max_new_tokens}: the longest prompt (row {row}, {longest} tokens) and that many new tokens "
             f"exceed the {limit} tokens a sequence may hold ({_CONTEXT}). Lower {new} to {limit - longest} or less, "
             f"or {prompt} (now {max_prompt_tokens}) below {longest} so that such rows are refused when loaded, or "
-            "serve a longer context (--context-length) or a larger KV pool (--max-total-tokens).")
+            "serve a longer context (SGLang: --context-length or a larger KV pool, --max-total-tokens; vLLM: "
+            "--max-model-len).")
 
 
-_CONTEXT = ("SGLang: the servers' shortest context less one, at most their max_req_input_len; embedded: the model's "
-            "max_position_embeddings")
+_CONTEXT = ("SGLang: the servers' shortest context less one, at most their max_req_input_len; vLLM: the servers' "
+            "shortest --max-model-len less one; embedded: the model's max_position_embeddings")
 
 
 class GRPOCollector(Collector):

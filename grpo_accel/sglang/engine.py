@@ -21,20 +21,13 @@ out is aborted on the server by its ``rid`` before it is sent again, so that not
 """
 from __future__ import annotations
 
-import concurrent.futures
 import logging
-import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Mapping
 
-from tensordict import TensorDict
-
-from grpo_accel import batch
-from grpo_accel.contracts import RolloutEngine
 from grpo_accel.http import HTTPClient, ServerError
-from grpo_accel.rollout.sampling import batch_seeds, completion_keys
 from grpo_accel.rules import setting
+from grpo_accel.server_rollouts import Completion, ServerEngine
 from grpo_accel.sglang import api
 
 logger = logging.getLogger(__name__)
@@ -44,26 +37,7 @@ HEALTH_ANSWER_S = 60.0
 (``SGLANG_HEALTH_CHECK_TIMEOUT``, 20 s by default; srt/entrypoints/http_server.py)."""
 
 
-@dataclass
-class _Completion:
-    """One completion being generated, possibly over several requests (a continuation after an abort)."""
-
-    prompt: list[int]
-    params: dict  # sampling parameters, max_new_tokens = the whole budget
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish: int | None = None
-    first_version: int | None = None
-    last_version: int = 0
-    stalls: int = 0  # aborts in a row that brought no token while the server's weights stayed the same
-    stall_version: int | None = None  # the server's weight version at the last of them
-
-    @property
-    def budget_left(self) -> int:
-        return self.params["max_new_tokens"] - len(self.ids)
-
-
-class SGLangEngine(RolloutEngine):
+class SGLangEngine(ServerEngine):
     """A :class:`~grpo_accel.contracts.RolloutEngine` over SGLang servers.
 
     Args:
@@ -94,9 +68,7 @@ class SGLangEngine(RolloutEngine):
         >>> rollout = engine.generate([[1, 2, 3]], group_size=8, seeds=[7])
     """
 
-    remote = True
-    """Generation runs in the servers' processes: the trainer's collectives (ZeRO-3's gathers) never wait for it,
-    so collection may run in a background thread under any ZeRO stage."""
+    label = "SGLang"
 
     def __init__(self, urls: list[str], tokenizer, *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, api_key: str | None = None, admin_api_key: str | None = None,
@@ -107,8 +79,8 @@ class SGLangEngine(RolloutEngine):
         if not urls:
             raise ValueError(f"SGLangEngine: {setting(names, 'urls')} is empty; list the SGLang servers, e.g. "
                              "[http://host:30000].")
-        self.clients = [HTTPClient(u, api_key, request_timeout_s, retries, backoff_s, setting(names, "api_key"))
-                        for u in urls]
+        self.clients = [HTTPClient(u, api_key, request_timeout_s, retries, backoff_s, setting(names, "api_key"),
+                                   "SGLang server") for u in urls]
         self.admins = {c.url: HTTPClient(c.url, admin_api_key or api_key, 30.0, 0, backoff_s,
                                          setting(names, "admin_api_key")) for c in self.clients}
         self.stop_ids = {tokenizer.eos_token_id, *stop_token_ids}
@@ -145,46 +117,11 @@ class SGLangEngine(RolloutEngine):
         limit = self.context_length - 1
         return min(limit, self.max_req_input_len) if self.max_req_input_len else limit
 
-    def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int] | None = None,
-                 greedy: bool = False) -> TensorDict:
-        """Rollout TensorDict [len(prompt_ids) * group_size], the same keys as the embedded engine's. A
-        completion whose context is full before it starts comes back empty with finish reason "length"."""
-        keys = iter(completion_keys(batch_seeds(seeds, len(prompt_ids)), group_size))
-        temperature = 0.0 if greedy else self.temperature
-        completions = []
-        for prompt in prompt_ids:
-            budget = min(self.max_new_tokens, self.context_limit - len(prompt))
-            for _ in range(group_size):
-                params = api.sampling_params(max(budget, 0), temperature, self.top_p, self.top_k,
-                                             seed=next(keys), stop_token_ids=self.stop_token_ids)
-                full = batch.FINISH_LENGTH if budget <= 0 else None  # no room left for a token
-                completions.append(_Completion(list(prompt), params, finish=full))
-        self._run([c for c in completions if c.finish is None])
-        return self._to_rollout(completions)
+    def _sampling(self, temperature: float, key: int) -> dict:
+        return api.sampling_params(self.max_new_tokens, temperature, self.top_p, self.top_k, seed=key,
+                                   stop_token_ids=self.stop_token_ids)  # max_new_tokens: each request's budget left
 
     # -- requests ------------------------------------------------------------------------------------------
-
-    def _run(self, completions: list[_Completion]) -> None:
-        """Generate ``completions``: contiguous shares per server, requests of at most ``request_size``, all at
-        once; a line every ``report_every_s`` while some are outstanding."""
-        self._wait_healthy()
-        n = len(self.clients)
-        bounds = [len(completions) * i // n for i in range(n + 1)]
-        requests = [(client, completions[a + k : min(a + k + self.request_size, b)])
-                    for client, a, b in zip(self.clients, bounds, bounds[1:]) for k in range(0, b - a, self.request_size)]
-        if not requests:
-            return
-        start = time.monotonic()
-        with concurrent.futures.ThreadPoolExecutor(min(64, len(requests)), thread_name_prefix="sglang") as pool:
-            futures = {pool.submit(self._complete, client, part): (client, part) for client, part in requests}
-            pending = set(futures)
-            while pending:
-                done, pending = concurrent.futures.wait(pending, timeout=self.report_every_s,
-                                                        return_when=concurrent.futures.FIRST_EXCEPTION)
-                for future in done:
-                    future.result()  # a request that failed after its retries fails the batch, naming it
-                if pending:
-                    self._report(start, [futures[f] for f in pending], len(requests))
 
     def _wait_healthy(self) -> None:
         """Before the first generation, every server's ``/health`` answers 200. One that answers ``/server_info``
@@ -202,15 +139,7 @@ class SGLangEngine(RolloutEngine):
                     "(sglang_memory.json); otherwise restart the server.", exc.status) from None
         self._healthy = True
 
-    def _report(self, start: float, outstanding: list[tuple[HTTPClient, list[_Completion]]], total: int) -> None:
-        per_server: dict[str, list[int]] = {}
-        for client, part in outstanding:
-            per_server.setdefault(client.url, []).append(sum(c.finish is None for c in part))
-        logger.info("SGLang: %d of %d requests outstanding after %.0f s: %s", len(outstanding), total,
-                    time.monotonic() - start, "; ".join(f"{url}: {len(n)} requests, {sum(n)} completions"
-                                                        for url, n in per_server.items()))
-
-    def _complete(self, client: HTTPClient, part: list[_Completion]) -> None:
+    def _complete(self, client: HTTPClient, part: list[Completion]) -> None:
         """Send ``part`` as one request; what comes back aborted (a push paused the server with ``abort``) is
         continued from prompt + its tokens so far with the budget left, until every completion finished. A request
         that fails (5xx, unreachable, timed out) is aborted by its rids and sent again, ``retries`` times at most."""
@@ -221,18 +150,9 @@ class SGLangEngine(RolloutEngine):
             rids = [uuid.uuid4().hex for _ in todo]
             request = api.generate([c.prompt + c.ids for c in todo],
                                    [{**c.params, "max_new_tokens": c.budget_left} for c in todo], rids)
-            try:
-                items = client.post(*request, retries=0)
-            except ServerError as exc:
+            items = self._attempt(client, request, lambda: self._abort(client, rids), failures, len(todo))
+            if items is None:
                 failures += 1
-                if exc.status is not None and exc.status < 500:
-                    raise
-                self._abort(client, rids)  # a timed-out request would go on generating for nobody
-                if failures > self.retries:
-                    raise
-                logger.warning("%s/generate failed (%s); its %d completions aborted there and sent again, retry "
-                               "%d/%d", client.url, exc, len(todo), failures, self.retries)
-                time.sleep(client.backoff_s * 2 ** (failures - 1))
                 continue
             failures = 0
             items = items if isinstance(items, list) else [items]
@@ -241,11 +161,9 @@ class SGLangEngine(RolloutEngine):
             stalled = [(c, item) for c, item in zip(todo, items) if c.finish is None and not item["output_ids"]]
             todo = [c for c in todo if c.finish is None]
             stalls = max((c.stalls for c, _ in stalled), default=0)
-            if stalls > 1:  # aborted again under the same weights: not a push; back off before sending again
-                logger.warning("%s aborted %d requests before they generated (%s); retry %d/%d", client.url,
-                               len(stalled), stalled[0][1]["meta_info"]["finish_reason"].get("message"), stalls - 1,
-                               self.retries)
-                time.sleep(client.backoff_s * 2 ** (stalls - 2))
+            if stalled:
+                self._back_off(client, stalls, len(stalled),
+                               f" ({stalled[0][1]['meta_info']['finish_reason'].get('message')})")
 
     def _abort(self, client: HTTPClient, rids: list[str]) -> None:
         """``/abort_request`` for each rid, best effort (an unreachable server aborts nothing)."""
@@ -257,7 +175,7 @@ class SGLangEngine(RolloutEngine):
                 logger.warning("%s: could not abort request %s (%s)", client.url, rid, exc)
                 return
 
-    def _take(self, client: HTTPClient, c: _Completion, item: dict, version: int | None) -> None:
+    def _take(self, client: HTTPClient, c: Completion, item: dict, version: int | None) -> None:
         ids, meta = item["output_ids"], item["meta_info"]
         pairs = meta["output_token_logprobs"] if ids else []
         if [int(p[1]) for p in pairs] != list(ids):
@@ -270,31 +188,7 @@ class SGLangEngine(RolloutEngine):
             drew = [api.weight_version(s["version"]) for s in meta["weight_versions"] if s["end"] > s["start"]]
         else:
             drew = [v for v in (version, served) if v is not None] if ids else []
-        if drew:
-            c.first_version = min(drew) if c.first_version is None else c.first_version
-            c.last_version = max(c.last_version, *drew)
-        elif c.first_version is None:  # no token yet: the row is of the weights the server answered with
-            c.last_version = max(c.last_version, served)
+        c.took(drew, served)  # no token yet: the row is of the weights the server answered with
         reason = meta["finish_reason"]
-        if reason["type"] != "abort":
-            # SGLang checks the length before the stop token (Req.check_finished): a completion whose last
-            # token is a stop token stopped, whatever the reason says
-            stopped = reason["type"] == "stop" or (c.ids and c.ids[-1] in self.stop_ids)
-            c.finish = batch.FINISH_STOP if stopped else batch.FINISH_REASONS[reason["type"]]
-        elif c.budget_left <= 0:
-            c.finish = batch.FINISH_LENGTH
-        elif ids or served != c.stall_version:  # a token, or a push came between: the queue at work
-            c.stalls, c.stall_version = (0, None) if ids else (1, served)
-        else:
-            c.stalls += 1
-            if c.stalls > self.retries:
-                raise ServerError(f"{client.url}: /generate kept aborting without generating ({reason.get('message')}"
-                                  f", status {reason.get('status_code')}) after {self.retries} retries.")
-
-    def _to_rollout(self, completions: list[_Completion]) -> TensorDict:
-        first = [c.last_version if c.first_version is None else c.first_version for c in completions]
-        return batch.make_rollout(prompts=[c.prompt for c in completions], completions=[c.ids for c in completions],
-                                  engine_logprobs=[c.logprobs for c in completions],
-                                  finish_reason=[c.finish for c in completions], weight_version=first,
-                                  weight_version_last=[max(c.last_version, f) for c, f in zip(completions, first)],
-                                  pad_id=self.pad_id)
+        self._settle(client, c, reason["type"], bool(ids), served, "/generate",
+                     f" ({reason.get('message')}, status {reason.get('status_code')})")

@@ -9,7 +9,7 @@ import torch
 from grpo_accel import batch
 from grpo_accel.http import HTTPClient, ServerError
 from grpo_accel.logprobs import sequence_logprobs
-from grpo_accel.recipe.build import SGLANG_NAMES
+from grpo_accel.recipe.wiring import SGLANG_NAMES
 from grpo_accel.sglang.engine import SGLangEngine
 from launching import free_port
 from sglang_standin.source import VERSIONS
@@ -101,7 +101,7 @@ def test_keys_health_wait_and_unreachable_servers(model_dir, servers, tokenizer)
 def test_waiting_for_a_server_says_what_it_waits_for(caplog):
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ServerError, match="did not answer /health within 1 s"):
-        HTTPClient(url).wait_healthy(1, poll_s=0.05, report_every_s=0.25)
+        HTTPClient(url, kind="SGLang server").wait_healthy(1, poll_s=0.05, report_every_s=0.25)
     reports = [r.getMessage() for r in caplog.records if "waiting for SGLang server" in r.getMessage()]
     assert 2 <= len(reports) <= 4, reports
     assert f"waiting for SGLang server {url}" in reports[0] and "nothing listens there yet" in reports[0]

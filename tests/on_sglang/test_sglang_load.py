@@ -200,7 +200,7 @@ def test_episodes_that_fill_the_context_end_length_on_both_engines(servers, tmp_
 
 
 def test_a_share_goes_out_as_bounded_requests_each_retried_alone(model_dir, servers, tokenizer, caplog):
-    caplog.set_level(logging.INFO, "grpo_accel.sglang.engine")
+    caplog.set_level(logging.INFO, "grpo_accel.server_rollouts")  # the line every server engine writes
     url = servers.get(model_dir, "--deterministic", "--decode-delay", "0.1")
     fail_next(url, "/generate", "http_500")  # the first request to arrive fails once
     engine = SGLangEngine([url], tokenizer, max_new_tokens=6, request_size=2, backoff_s=0.01, report_every_s=0.2)

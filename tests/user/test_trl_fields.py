@@ -133,22 +133,39 @@ def test_fields_with_real_behaviour_here(tmp_path):
     assert translate({**BASE, "use_peft": True, "lora_r": 8}, 1, rows=lambda _: 0)[0]["model.lora.r"] == 8
 
 
-def test_use_vllm_becomes_sglang_servers(tmp_path):
+def test_use_vllm_becomes_vllm_servers(tmp_path):
     server, lines = translate({**BASE, "use_vllm": True, "vllm_mode": "server", "vllm_server_host": "0.0.0.0",
-                               "vllm_server_port": 30001}, 1, rows=lambda _: 0)
-    assert server["rollout.backend"] == "sglang" and server["rollout.urls"] == ["http://127.0.0.1:30001"]
+                               "vllm_server_port": 30001, "vllm_group_port": 51216}, 1, rows=lambda _: 0)
+    assert server["rollout.backend"] == "vllm" and server["rollout.urls"] == ["http://127.0.0.1:30001"]
+    assert server["weight_sync.method"] == "disk"
     assert (server["loss.tis_mode"], server["loss.tis_cap"]) == ("sequence_mask", 3.0)  # TRL's defaults
-    assert any("launch/sglang.sh" in line for line in lines)
+    assert any("VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --port 30001 --logprobs-mode processed_logprobs" in line
+               and "trl vllm-serve" in line for line in lines)
+    assert "vllm_group_port (the weights reach vLLM from disk here)" in lines[-1]
+    assert "vllm_server_port" not in lines[-1] and "vllm_server_host" not in lines[-1], "they made the URL"
     colocated, lines = translate({**BASE, "use_vllm": True, "vllm_gpu_memory_utilization": 0.5}, 1,
                                  rows=lambda _: 0)
     assert colocated["rollout.colocate"] is True and colocated["rollout.urls"] == ["http://127.0.0.1:8000"]
-    assert any("--mem-fraction-static 0.5" in line for line in lines)
+    assert any("--gpu-memory-utilization 0.5 --enable-sleep-mode" in line for line in lines)
     off, lines = translate({**BASE, "use_vllm": False, "vllm_mode": "server"}, 1, rows=lambda _: 0)
     assert "rollout.backend" not in off and "vllm_mode (use_vllm is off)" in lines[-1]
     cfg = load_config(write(tmp_path, {**BASE, "use_vllm": True, "vllm_mode": "server",
                                        "vllm_server_base_url": "http://10.0.0.2:8000",
                                        "vllm_importance_sampling_mode": "token_truncate"}))
     assert cfg.rollout.urls == ["http://10.0.0.2:8000"] and cfg.loss.tis_mode == "token_truncate"
+
+
+def test_trl_vllm_serve_starts_the_server_this_client_needs():
+    """TRL 1.16's ``trl vllm-serve`` runs vLLM's own server (TRL's vllm_serve.py: ``build_command`` and ``main``):
+    with processed logprobs and, in its environment, the dev mode whose routes the weight push uses."""
+    import inspect
+
+    from trl.scripts import vllm_serve
+
+    command = vllm_serve.build_command(vllm_serve.ScriptArguments(model="M", port=8001))
+    assert command[command.index("serve") :][:2] == ["serve", "M"] and "--port" in command
+    assert command[command.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert 'env["VLLM_SERVER_DEV_MODE"] = "1"' in inspect.getsource(vllm_serve.main)
 
 
 def test_a_file_mixes_trls_names_with_grpo_accels_and_a_setting_given_twice_is_one_line(tmp_path):
@@ -253,10 +270,10 @@ def test_a_published_recipe_trains_with_only_the_edits_this_machine_forces(tmp_p
     assert any((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")), "W&B wrote no offline run"
 
 
-def test_use_vllm_true_trains_from_an_sglang_server(tmp_path, model_dir, fresh_server, caplog):
-    """A TRL file with use_vllm: true in server mode samples from the SGLang stand-in at vllm_server_host and port,
-    with TRL's importance-sampling correction, and pushes its weights there after each batch."""
-    from launching import free_port
+def test_use_vllm_true_with_sglang_one_setting_away(tmp_path, model_dir, fresh_server, caplog):
+    """A TRL file with use_vllm: true in server mode and rollout.backend: sglang samples from the SGLang stand-in at
+    vllm_server_host and port, with TRL's importance-sampling correction, and pushes its weights there after each
+    batch (tests/on_vllm runs the same file's kind against a real vLLM)."""
     from sglang_standin.processes import server_state
 
     url = fresh_server()
@@ -270,10 +287,10 @@ def test_use_vllm_true_trains_from_an_sglang_server(tmp_path, model_dir, fresh_s
         "vllm_server_host": host, "vllm_server_port": int(port), "max_steps": 2, "per_device_train_batch_size": 8,
         "num_generations": 4, "max_completion_length": 4, "learning_rate": 3e-4, "bf16": False,
         "report_to": ["tensorboard"],
-        # grpo_accel's own settings in the same file: the weight push over gloo on this machine
-        "weight_sync": {"backend": "gloo", "master_port": free_port(), "dtype": "float32"}})
-    with caplog.at_level(logging.INFO):
-        assert train_in_process(["--config", str(config), "trainer.progress_bar=false"]) == 0
+        # grpo_accel's own settings in the same file
+        "weight_sync": {"dtype": "float32", "disk_path": str(tmp_path / "weights")}})
+    with caplog.at_level(logging.INFO):  # SGLang in vLLM's place: the one setting, on the command line
+        assert train_in_process(["--config", str(config), "trainer.progress_bar=false", "rollout.backend=sglang"]) == 0
     said = next(r.getMessage() for r in caplog.records if "holds TRL's settings" in r.getMessage())
     assert f"-> rollout.urls=['http://{host}:{port}']" in said and "-> loss.tis_mode=sequence_mask" in said
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())

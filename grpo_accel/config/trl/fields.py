@@ -92,16 +92,16 @@ TRANSLATED: dict[str, Translated] = {
     "ds3_gather_for_generation": Translated("rollout.zero3_gather_full", "only when the file sets it (TRL's "
                                                                          "default true holds the whole model on "
                                                                          "every rank)"),
-    "use_vllm": Translated("rollout.backend", "true: SGLang servers (vLLM's place); false: embedded"),
+    "use_vllm": Translated("rollout.backend", "true: vLLM servers (weights pushed from disk); false: embedded"),
     "vllm_mode": Translated("rollout.colocate", "server: separate servers; colocate: servers on the trainer's "
                                                 "GPUs"),
     "vllm_server_base_url": Translated("rollout.urls"),
     "vllm_server_host": Translated("rollout.urls", "with vllm_server_port; 0.0.0.0 is 127.0.0.1"),
     "vllm_server_port": Translated("rollout.urls"),
     "vllm_server_timeout": Translated("rollout.health_timeout_s"),
-    "vllm_group_port": Translated("weight_sync.master_port"),
-    "vllm_gpu_memory_utilization": Translated(None, "the server's --mem-fraction-static, in the line that says "
-                                                    "how to start it"),
+    "vllm_group_port": Translated(None, "the weights reach vLLM from disk here: no group"),
+    "vllm_gpu_memory_utilization": Translated(None, "the server's --gpu-memory-utilization, in the line that "
+                                                    "says how to start it"),
     "vllm_importance_sampling_correction": Translated("loss.tis_cap", "with use_vllm: true (TRL's default "
                                                                       "true); false: null"),
     "vllm_importance_sampling_mode": Translated("loss.tis_mode"),

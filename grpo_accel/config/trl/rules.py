@@ -188,27 +188,30 @@ def vllm_rules(t: Translation) -> None:
     if not t.trl.get("use_vllm"):
         t.inert += [f"{name} (use_vllm is off)" for name in names]
         return
-    port = int(t.get("vllm_server_port"))
+    port, used = int(t.get("vllm_server_port")), set()
+    serve = f"VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --port {port} --logprobs-mode processed_logprobs"
     if t.get("vllm_mode") == "server":
-        host = t.get("vllm_server_host")
-        url = t.trl.get("vllm_server_base_url") or f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
-        t.put("rollout.urls", [url], f"use_vllm=True, vllm_mode='server' (SGLang in vLLM's place: start it with "
-              f"launch/sglang.sh, or python -m sglang.launch_server --model-path MODEL --port {port})", "use_vllm")
+        host, base = t.get("vllm_server_host"), t.trl.get("vllm_server_base_url")
+        url = base or f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
+        used |= {"vllm_server_base_url"} if base else {"vllm_server_host", "vllm_server_port"}
+        t.put("rollout.urls", [url], f"use_vllm=True, vllm_mode='server' (start it with {serve}, or trl "
+              "vllm-serve, which runs that server)", "vllm_server_base_url" if base else "vllm_server_port")
     elif t.get("vllm_mode") == "colocate":
         share = t.get("vllm_gpu_memory_utilization")
+        used |= {"vllm_server_port", "vllm_gpu_memory_utilization"}
         t.put("rollout.colocate", True, "vllm_mode='colocate' (TRL's default)", "vllm_mode")
-        t.put("rollout.urls", [f"http://127.0.0.1:{port}"], f"use_vllm=True, colocated (SGLang on the trainer's GPUs "
-              f"in vLLM's place: start it with python -m sglang.launch_server --model-path MODEL --port {port} "
-              f"--mem-fraction-static {share} --enable-memory-saver)", "use_vllm")
+        t.put("rollout.urls", [f"http://127.0.0.1:{port}"], f"use_vllm=True, colocated (vLLM on the trainer's GPUs, "
+              f"a server of its own here: start it with {serve} --gpu-memory-utilization {share} "
+              "--enable-sleep-mode)", "vllm_server_port")
     else:
         raise ConfigError(f"vllm_mode={t.get('vllm_mode')!r}: use server or colocate.")
-    t.put("rollout.backend", "sglang", "use_vllm=True", "use_vllm")
+    t.put("rollout.backend", "vllm", "use_vllm=True (rollout.backend=sglang to generate with SGLang instead)",
+          "use_vllm")
+    t.put("weight_sync.method", "disk", "use_vllm=True (vLLM loads the pushed weights from a folder: "
+          "weight_sync.disk_path, default output_dir/weights)", "use_vllm")
     if "vllm_server_timeout" in t.trl:
         t.put("rollout.health_timeout_s", t.trl["vllm_server_timeout"], f"vllm_server_timeout="
               f"{t.trl['vllm_server_timeout']}", "vllm_server_timeout")
-    if "vllm_group_port" in t.trl:
-        t.put("weight_sync.master_port", t.trl["vllm_group_port"], f"vllm_group_port={t.trl['vllm_group_port']}",
-              "vllm_group_port")
     if t.get("vllm_importance_sampling_correction"):
         cap = t.trl.get("vllm_importance_sampling_clip_max", t.trl.get("vllm_importance_sampling_cap",
                                                                        t.get("vllm_importance_sampling_clip_max")))
@@ -222,7 +225,8 @@ def vllm_rules(t: Translation) -> None:
                   "vllm_importance_sampling_clip_min")
     t.inert += [f"{name} (the server's own setting)" for name in names if name in (
         "vllm_gpu_memory_utilization", "vllm_server_base_url", "vllm_server_host", "vllm_server_port") and
-        name not in t.sources.values()]
+        name not in used]
+    t.inert += ["vllm_group_port (the weights reach vLLM from disk here)"] * ("vllm_group_port" in t.trl)
 
 
 def reward_rules(t: Translation) -> None:
