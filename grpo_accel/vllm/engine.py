@@ -83,7 +83,8 @@ class VLLMEngine(ServerEngine):
             f"{i.max_model_len}, {i.logprobs_mode}, {i.dtype})" for i in self.servers)
 
     def _sampling(self, temperature: float, key: int) -> dict:
-        return {"temperature": temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": key,
+        """The request's seed is its first completion's key (``Completion.key``): not a parameter of its own."""
+        return {"temperature": temperature, "top_p": self.top_p, "top_k": self.top_k,
                 "stop_token_ids": self.stop_token_ids}
 
     def _requests(self, share: list[Completion]) -> list[list[Completion]]:
@@ -107,9 +108,8 @@ class VLLMEngine(ServerEngine):
             group = todo.pop(0)
             first, version = group[0], api.read_weight_version(client)
             rid = uuid.uuid4().hex
-            request = api.completions(first.prompt + first.ids, len(group), first.budget_left,
-                                      seed=first.key, request_id=rid,
-                                      **{k: v for k, v in first.params.items() if k != "seed"})
+            request = api.completions(first.prompt + first.ids, len(group), first.budget_left, seed=first.key,
+                                      request_id=rid, **first.params)
             answer = self._attempt(client, request, lambda: self._abort(client, rid), failures, len(group))
             if answer is None:
                 failures += 1
