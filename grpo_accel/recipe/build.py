@@ -248,6 +248,9 @@ def _register_hooks(trainer, cfg: GRPOConfig, engine, sender, tokenizer, held_ou
                               success_threshold=cfg.eval.success_threshold, episodes=trainer.collector.episodes)
         trainer.register_op("pre_train", evaluator.before_training, "evaluate_untrained")
         trainer.register_op("post_iteration", evaluator, "evaluate")
+    if cfg.hub.model_id and not cfg.hub.push and trainer.accelerator.is_main_process:
+        log.warning("hub.model_id=%s has no effect: hub.push is false (set hub.push=true to upload there)",
+                    cfg.hub.model_id)
     if cfg.hub.push and trainer.accelerator.is_main_process:  # the Hub gets the exported model, after each checkpoint
         from grpo_accel.run.export import export_checkpoint
         from grpo_accel.run.hub import HubPusher

@@ -32,8 +32,22 @@ def build_tokenizer(cfg: ModelConfig):
     ``model.chat_template``, that template in place of its own."""
     tokenizer = _named_tokenizer(cfg)
     if cfg.chat_template is not None:
+        _check_template(cfg.chat_template)
         tokenizer.chat_template = cfg.chat_template
     return tokenizer
+
+
+def _check_template(template: str) -> None:
+    """A Jinja syntax error in ``model.chat_template`` is one line naming it, before any prompt is rendered (parsed
+    as transformers renders it: a sandbox with loop controls)."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except TemplateSyntaxError as exc:
+        raise ConfigError(f"model.chat_template: line {exc.lineno}: {exc.message}; fix the Jinja template, or drop "
+                          "model.chat_template to use the tokenizer's own.") from None
 
 
 def _named_tokenizer(cfg: ModelConfig):

@@ -26,6 +26,14 @@ def test_an_evaluation_split_a_file_does_not_have_is_one_line(tmp_path):
                                      "its held-out rows would be the training rows.")
 
 
+def test_a_chat_template_that_does_not_parse_is_one_line(tmp_path):
+    """Issue 74 item 2: a raw jinja2 TemplateSyntaxError, no setting named."""
+    with pytest.raises(ConfigError) as err:
+        train_in_process([f"output_dir={tmp_path / 'run'}", "model.chat_template={% if %}"])
+    assert str(err.value).startswith("model.chat_template: line 1: Expected an expression") and \
+        "fix the Jinja template" in str(err.value) and "\n" not in str(err.value)
+
+
 def test_a_warmup_as_long_as_the_run_is_one_line(tmp_path):
     """Item 4: warmup_steps=500 in a 2-step run was accepted and the peak never reached."""
     with pytest.raises(ConfigError, match=r"optim.warmup_steps=500: a warmup of 500 optimizer steps in a run of 2 "

@@ -71,3 +71,12 @@ def test_trls_hub_keys_become_the_hub_settings(tmp_path):
     assert (got["hub.push"], got["hub.model_id"], got["hub.strategy"], got["hub.private"]) == (
         True, "me/model", "every_save", True)
     assert not any("hf_secret_value" in line for line in lines)  # the token is a secret in the start-up lines too
+
+
+def test_a_repository_named_without_push_is_said(tmp_path, caplog):
+    """Issue 74 item 10: hub.model_id without hub.push uploads nothing; a line says so instead of silence."""
+    with caplog.at_level(logging.WARNING):
+        assert train_in_process([f"output_dir={tmp_path / 'run'}", "trainer.total_frames=128",
+                                 "trainer.progress_bar=false", "hub.model_id=team/forgotten"]) == 0
+    assert "hub.model_id=team/forgotten has no effect: hub.push is false (set hub.push=true to upload there)" \
+        in caplog.text

@@ -147,8 +147,10 @@ def test_use_vllm_becomes_vllm_servers(tmp_path):
                                  rows=lambda _: 0)
     assert colocated["rollout.colocate"] is True and colocated["rollout.urls"] == ["http://127.0.0.1:8000"]
     assert any("--gpu-memory-utilization 0.5 --enable-sleep-mode" in line for line in lines)
-    off, lines = translate({**BASE, "use_vllm": False, "vllm_mode": "server"}, 1, rows=lambda _: 0)
+    off, lines = translate({**BASE, "use_vllm": False, "vllm_mode": "server", "vllm_device": "cuda:7"}, 1,
+                           rows=lambda _: 0)
     assert "rollout.backend" not in off and "vllm_mode (use_vllm is off)" in lines[-1]
+    assert lines[-1].count("vllm_device") == 1, "an old key of TRL's named once (issue 74, item 11)"
     cfg = load_config(write(tmp_path, {**BASE, "use_vllm": True, "vllm_mode": "server",
                                        "vllm_server_base_url": "http://10.0.0.2:8000",
                                        "vllm_importance_sampling_mode": "token_truncate"}))

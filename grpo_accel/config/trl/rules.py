@@ -101,6 +101,10 @@ class Translation:
     def no_effect(self, name: str, why: str = "") -> None:
         self.inert.append(f"{name} ({why})" if why else name)
 
+    def named_inert(self, name: str) -> bool:
+        """Whether ``name`` is in the "no effect here" line already (each key is named there once)."""
+        return any(entry.split(" ")[0] == name for entry in self.inert)
+
     def epoch_frames(self, layout: TrlLayout, epochs: float = 1.0) -> int:
         """Frames of ``epochs`` passes over the training rows, in whole generations."""
         per_step = layout.generation / layout.optimizer_steps
@@ -184,7 +188,7 @@ def evaluation_rules(t: Translation, layout: TrlLayout) -> None:
 
 
 def vllm_rules(t: Translation) -> None:
-    names = [k for k in t.trl if k.startswith("vllm_")]
+    names = [k for k in t.trl if k.startswith("vllm_") and not t.named_inert(k)]
     if not t.trl.get("use_vllm"):
         t.inert += [f"{name} (use_vllm is off)" for name in names]
         return
