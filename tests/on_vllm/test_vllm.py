@@ -122,14 +122,15 @@ def test_a_push_in_the_middle_of_generation_makes_partial_rollouts(server, model
     model = AutoModelForCausalLM.from_pretrained(model_folder)
     initial = AutoModelForCausalLM.from_pretrained(model_folder)
     engine = VLLMEngine([server.url], tokenizer, max_new_tokens=100, api_key=API_KEY)
-    prompts = [tokenizer(f"{i}+{i}=")["input_ids"] for i in range(24)]
+    prompts = [tokenizer(f"{i}+{i}=")["input_ids"] for i in range(64)]  # 512 completions: more than run at once
     for version, mode in enumerate(("retract", "abort"), start=1):
         sender = VLLMDiskSender(accelerator, model, [server.url], tmp_path / "weights", dtype=torch.float32,
                                 api_key=API_KEY, pause_mode=mode, keep=1)
         rollout = {}
-        worker = threading.Thread(target=lambda: rollout.update(td=engine.generate(prompts, 4, seeds=list(range(24)))))
+        worker = threading.Thread(target=lambda: rollout.update(td=engine.generate(prompts, 8, seeds=list(range(64)))))
         worker.start()
-        time.sleep(0.3)
+        while not running(server) and worker.is_alive():  # the push lands once the server generates
+            time.sleep(0.005)
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.01)
@@ -156,11 +157,11 @@ def test_a_push_in_the_middle_of_generation_makes_partial_rollouts(server, model
 
 
 def test_a_request_that_times_out_is_aborted_on_the_server_before_it_is_sent_again(server, tokenizer, caplog):
-    engine = VLLMEngine([server.url], tokenizer, max_new_tokens=100, api_key=API_KEY, request_timeout_s=0.05,
+    engine = VLLMEngine([server.url], tokenizer, max_new_tokens=100, api_key=API_KEY, request_timeout_s=0.02,
                         retries=1, backoff_s=0.01)
     posted = server.log.read_text().count("POST /abort_requests")
     prompts = [tokenizer(f"{i}*{i}=")["input_ids"] for i in range(24)]
-    with pytest.raises(ServerError, match="did not answer within 0.05 s"):
+    with pytest.raises(ServerError, match="did not answer within 0.02 s"):
         engine.generate(prompts, 4, seeds=list(range(24)))
     assert "aborted there and sent again, retry 1/1" in caplog.text
     assert server.log.read_text().count("POST /abort_requests") > posted
