@@ -57,7 +57,7 @@ class Completion:
 class ServerEngine(RolloutEngine):
     """A :class:`~grpo_accel.contracts.RolloutEngine` over inference servers; subclasses set ``clients`` (one
     :class:`~grpo_accel.http.HTTPClient` per server), ``pad_id``, ``stop_ids``, the sampling settings,
-    ``retries``, ``request_size``, ``report_every_s`` and ``context_limit``, and implement ``_sampling`` and
+    ``retries``, ``request_size``, ``report_every_s`` and ``context_limit`` (the ids through ``_take_ids``), and implement ``_sampling`` and
     ``_complete`` (``_requests`` and ``_wait_healthy`` where they differ)."""
 
     remote = True
@@ -71,6 +71,12 @@ class ServerEngine(RolloutEngine):
     top_k: int = 0
     request_size: int = 64
     report_every_s: float = 30.0
+
+    def _take_ids(self, tokenizer, stop_token_ids: tuple[int, ...]) -> None:
+        """``pad_id``, ``stop_ids`` (EOS and ``stop_token_ids``) and the ``stop_token_ids`` sent besides EOS."""
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.stop_ids = {tokenizer.eos_token_id, *stop_token_ids}
+        self.stop_token_ids = [i for i in stop_token_ids if i != tokenizer.eos_token_id]
 
     def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int] | None = None,
                  greedy: bool = False) -> TensorDict:

@@ -83,10 +83,8 @@ class SGLangEngine(ServerEngine):
                                    "SGLang server") for u in urls]
         self.admins = {c.url: HTTPClient(c.url, admin_api_key or api_key, 30.0, 0, backoff_s,
                                          setting(names, "admin_api_key")) for c in self.clients}
-        self.stop_ids = {tokenizer.eos_token_id, *stop_token_ids}
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self._take_ids(tokenizer, stop_token_ids)
         self.retries = retries
-        self.stop_token_ids = [i for i in stop_token_ids if i != tokenizer.eos_token_id]
         self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
         self.request_size, self.report_every_s = request_size, report_every_s
         self.health_timeout_s, self.names, self._healthy = health_timeout_s, names, False

@@ -26,7 +26,6 @@ model implements it, else with the logprobs of a fixed probe sequence and the we
 """
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 from pathlib import Path
 from typing import Mapping
@@ -80,11 +79,6 @@ class SGLangServers(EngineServers):
             if self.memory.holds_all(client.url) and (not info.memory_saver or client.url in self.memory.known):
                 client.post(*api.continue_generation())
         return not all(self.memory.holds_all(client.url) for client in self.clients)
-
-    def each(self, path: str, body: dict) -> list:
-        """``body`` posted to every server at once; their answers in order."""
-        with concurrent.futures.ThreadPoolExecutor(max(1, len(self.clients))) as pool:
-            return list(pool.map(lambda c: c.post(path, body), self.clients))
 
     @staticmethod
     def quietly(client: HTTPClient, path: str, body: dict) -> None:

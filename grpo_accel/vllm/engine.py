@@ -63,9 +63,7 @@ class VLLMEngine(ServerEngine):
         key = setting(names, "api_key")
         self.clients = [HTTPClient(u, api_key, request_timeout_s, retries, backoff_s, key, "vLLM server") for u in urls]
         self.admins = {c.url: HTTPClient(c.url, api_key, 30.0, 0, backoff_s, key) for c in self.clients}
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.stop_ids = {tokenizer.eos_token_id, *stop_token_ids}
-        self.stop_token_ids = [i for i in stop_token_ids if i != tokenizer.eos_token_id]
+        self._take_ids(tokenizer, stop_token_ids)
         self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
         self.retries, self.request_size, self.report_every_s = retries, request_size, report_every_s
         for client in self.clients:

@@ -15,7 +15,6 @@ killed mid-push leaves them paused); one found asleep is woken by the first push
 """
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 from pathlib import Path
 from typing import Mapping
@@ -48,11 +47,6 @@ class VLLMServers(EngineServers):
         self.asleep = [bool(c.get("/is_sleeping").get("is_sleeping")) for c in self.clients]
         self.stale = any(self.asleep)  # woken by the first push, which then loads weights into them
         self.each(*api.resume())  # a trainer killed mid-push leaves them paused
-
-    def each(self, path: str, body: dict) -> list:
-        """``body`` posted to every server at once; their answers in order."""
-        with concurrent.futures.ThreadPoolExecutor(max(1, len(self.clients))) as pool:
-            return list(pool.map(lambda c: c.post(path, body), self.clients))
 
     def pause(self) -> None:
         self.each(*api.pause(self.pause_mode))

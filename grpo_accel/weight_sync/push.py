@@ -13,6 +13,7 @@ taking back memory, the comparison) and a transport (:class:`Transport`: how a b
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import time
@@ -45,6 +46,13 @@ class EngineServers:
 
     stale = False
     """What they hold is unknown at start (e.g. a server found with its weights released): push first."""
+    clients: list
+    """The sending rank's HTTP clients, one per server (other ranks hold none)."""
+
+    def each(self, path: str, body: dict) -> list:
+        """``body`` posted to every server at once; their answers in order."""
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(self.clients))) as pool:
+            return list(pool.map(lambda c: c.post(path, body), self.clients))
 
     def before_update(self) -> None:
         """Take back what the weights are loaded into (released memory) before the first bucket."""
