@@ -72,13 +72,21 @@ def restore(server, model_folder):
     server.post("/update_weight_version", {"new_version": "0"})
 
 
-def running(server) -> float:
-    """The requests the server runs now (its /metrics gauge)."""
+def running(server, gauge: str = "vllm:num_requests_running") -> float:
+    """The requests the server runs now (a /metrics gauge; summed over its engines)."""
     import urllib.request
 
     with urllib.request.urlopen(server.url + "/metrics", timeout=30) as answer:
         lines = answer.read().decode().splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:num_requests_running"))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(gauge))
+
+
+def wait_idle(server) -> None:
+    """Until the server neither runs nor queues a request (requests aborted a moment ago may still be draining)."""
+    deadline = time.monotonic() + 60
+    while running(server) or running(server, "vllm:num_requests_waiting"):
+        assert time.monotonic() < deadline, "the server still runs requests 60 s after they were aborted"
+        time.sleep(0.01)
 
 
 # ------------------------------------------------------------------------------------------- rollouts
@@ -127,6 +135,7 @@ def test_a_push_in_the_middle_of_generation_makes_partial_rollouts(server, model
         sender = VLLMDiskSender(accelerator, model, [server.url], tmp_path / "weights", dtype=torch.float32,
                                 api_key=API_KEY, pause_mode=mode, keep=1)
         rollout = {}
+        wait_idle(server)
         worker = threading.Thread(target=lambda: rollout.update(td=engine.generate(prompts, 8, seeds=list(range(64)))))
         worker.start()
         while not running(server) and worker.is_alive():  # the push lands once the server generates
@@ -166,6 +175,7 @@ def test_a_request_that_times_out_is_aborted_on_the_server_before_it_is_sent_aga
     assert "aborted there and sent again, retry 1/1" in caplog.text
     assert server.log.read_text().count("POST /abort_requests") > posted
     # the id it aborts by is the one vLLM gives the request's prompt: a request still running ends there
+    wait_idle(server)  # else the requests aborted above could pass for the one below
     answer = {}
     body = {"prompt": [1, 5, 6], "max_tokens": 124, "ignore_eos": True, "request_id": "long-running",
             "return_token_ids": True}
