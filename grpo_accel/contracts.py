@@ -141,6 +141,11 @@ class LossModule(nn.Module):
             (:meth:`add_reference_logprobs`).
         uses_old_logprobs: the loss reads pi_old (``old_logprobs``); the trainer stores them before optimising
             (:meth:`add_old_logprobs`) when a batch serves more than one optimizer step.
+        corrects_engine: the loss weights tokens by pi_old / pi_engine (truncated importance sampling against the
+            engine's ``engine_logprobs``). In async collection pi_old is otherwise the engine's logprobs (the
+            ratio is taken against the weights that sampled); a loss that corrects towards the engine gets the
+            trainer's own forward at store time instead (the proximal policy of AReaL's decoupled objective), else
+            its weight would be exactly 1.
         kl_outputs: the output keys that are KL terms or KL diagnostics (``log_kl=False`` leaves them out of
             the logs).
         temperature: the temperature its logprobs are taken at (logits divided by it; None: not a concern of
@@ -150,6 +155,7 @@ class LossModule(nn.Module):
     """
 
     uses_old_logprobs: bool = False
+    corrects_engine: bool = False
     kl_outputs: tuple[str, ...] = ()
     temperature: float | None = None
     max_completion_tokens: int | None = None

@@ -183,7 +183,8 @@ LOSS_OUTPUTS = {  # GRPOLoss.forward's keys, once: loss_* are summed into the ob
     "ESS": "effective sample size of the importance ratios",
     "entropy": "policy entropy, mean over tokens",
     "ratio_mean": "importance ratio", "ratio_min": "importance ratio", "ratio_max": "importance ratio",
-    "engine_logprob_abs_diff": "mean |engine - trainer| logprob of the sampled tokens (sync)",
+    "engine_logprob_abs_diff": "mean |engine - trainer| logprob of the sampled tokens (sync; async with tis_cap: "
+                               "with the engine's staleness)",
     "engine_prob_ratio_max": "largest per-token probability ratio engine/trainer either way (sync)",
 }
 KL_OUTPUTS = ("loss_kl", "kl_ref", "kl_approx")
@@ -282,6 +283,11 @@ class GRPOLoss(LossModule):
         self.shared_prompts = self._paths.shared_prompts  # off with packing
 
     # -- pieces the trainer calls outside forward -------------------------------------------------------
+
+    @property
+    def corrects_engine(self) -> bool:
+        """Whether tokens are weighted by pi_old / pi_engine (``tis_cap`` set): see :class:`LossModule`."""
+        return self.tis_cap is not None
 
     def logprobs(self, model: nn.Module, td: TensorDict, with_entropy: bool = False):
         """Per-token logprobs [N, T] of ``td``'s completion tokens under ``model`` (and entropy if asked)."""

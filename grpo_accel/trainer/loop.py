@@ -246,11 +246,11 @@ class GRPOTrainer:
             return
         loss = self.unwrapped_loss
         methods = []
-        if self.async_collection:  # the behaviour policy is the engine's (older) weights: correct towards it
+        if self.async_collection and not loss.corrects_engine:  # pi_old: the engine's (older) weights that sampled
             rollout[batch.OLD_LOGPROBS] = rollout[batch.ENGINE_LOGPROBS]
         elif loss.uses_old_logprobs and (  # unless each row serves one optimizer step right after sampling
-                self._optimizer_steps(len(self.replay_buffer) + rollout.numel()) > 1
-                or not self.empty_replay_buffer_on_weight_update):
+                self.async_collection or not self.empty_replay_buffer_on_weight_update
+                or self._optimizer_steps(len(self.replay_buffer) + rollout.numel()) > 1):
             methods.append((batch.OLD_LOGPROBS, loss.add_old_logprobs))
         if loss.reference is not None:
             methods.append((batch.REF_LOGPROBS, loss.add_reference_logprobs))

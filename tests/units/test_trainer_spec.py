@@ -122,7 +122,7 @@ def test_fp16_on_cpu_autocasts_with_a_gradient_scaler(tokenizer, tiny_model):
     assert trainer.state_dict()["stepper"]["scaler"]["scale"] > 0  # the scaler is checkpointed
 
 
-def _async_trainer(tokenizer, **kw):
+def _async_trainer(tokenizer, loss=None, **kw):
     reset_accelerate_state()
     model = build_tiny_model(tokenizer, seed=0)
     engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_new_tokens=4)
@@ -130,7 +130,7 @@ def _async_trainer(tokenizer, **kw):
     collector = GRPOCollector(engine, tokenizer, addition_rows(4)[0], rewards, layout=BatchLayout(4, 4))
     from trainer_utils import RecordingLoss
 
-    args = dict(collector=collector, total_frames=16 * 6, loss_module=RecordingLoss(model),
+    args = dict(collector=collector, total_frames=16 * 6, loss_module=RecordingLoss(model, **(loss or {})),
                 optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3), seed=0,
                 weight_sync_sender=EmbeddedWeightSync(engine, source=model),
                 empty_replay_buffer_on_weight_update=True, async_collection=True) | kw
@@ -161,6 +161,24 @@ def test_async_corrects_one_version_old_batches_and_pushes_every_n_steps(tokeniz
     assert any(abs(c["ratio_mean"] - 1) > 1e-4 for c in calls), "stale batches are corrected by the ratio"
     for p, q in zip(model.parameters(), engine.model.parameters()):
         assert torch.equal(p, q), "the last push copied the trained weights into the engine"
+
+
+def test_async_truncated_importance_sampling_weighs_the_trainer_against_the_engine(tokenizer):
+    """loss.tis_cap (TRL's vllm_importance_sampling_correction) in async collection: pi_old is the trainer's forward
+    when the batch is stored, so pi_old / pi_engine carries the engine's staleness; taking pi_old from the engine,
+    as the ratio does without tis_cap, would make that weight exactly 1."""
+    runs = {}
+    for name, loss in (("plain", None), ("tis", {"tis_cap": 1.05, "tis_mode": "token_mask"})):
+        trainer, _, _ = _async_trainer(tokenizer, loss=loss, batch_size=8, weight_update_frequency=2,
+                                       max_staleness=None, total_frames=16 * 4)
+        trainer.train()
+        assert [h["train/staleness"] for h in trainer.history][2:] == [1.0] * 2
+        runs[name] = trainer.unwrapped_loss.calls
+    assert all(c["engine_logprob_abs_diff"] == 0 for c in runs["plain"]), "the ratio is taken against the engine"
+    stale = runs["tis"][4:]  # batches 3 and 4 were sampled one push behind
+    assert all(c["engine_logprob_abs_diff"] > 1e-3 for c in stale), "pi_old / pi_engine sees the older weights"
+    assert any(c["engine_prob_ratio_max"] > 1.05 for c in stale), "a token outside [., tis_cap] is masked"
+    assert runs["tis"][0]["engine_logprob_abs_diff"] < 1e-5, "a fresh batch: the same weights, rounding apart"
 
 
 def test_async_needs_its_own_engine_weights(tokenizer, tiny_model):
