@@ -229,6 +229,13 @@ class RunFolderLock:
                             f"output_dir. Lock: {self.path}.")
 
     def release(self) -> None:
-        if self.held:
+        """Remove the lock; one the folder no longer lets go of (made read-only, unmounted) is said in a line, not
+        raised: release runs while the run's own error is reported, and the next run takes over a dead run's lock."""
+        if not self.held:
+            return
+        self.held = False
+        try:
             self.path.unlink(missing_ok=True)
-            self.held = False
+        except OSError as exc:
+            logger.warning("output_dir %s: its lock %s could not be removed (%s); the next run here takes it over "
+                           "once this process has ended", self.path.parent, self.path, exc.strerror)
