@@ -35,15 +35,25 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist; pass an existing YAML file.")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            text = path.read_text()
+            data = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
+        for key, lines in repeated_keys(text).items():
+            _say_once(f"config file {path}: {key} is given {len(lines)} times (lines {', '.join(map(str, lines))}); "
+                      f"the last (line {lines[-1]}) is used. Keep one.")
         data = from_trl(data, path)
+    given: dict[str, list[str]] = {}
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} is not key=value; write e.g. trainer.total_frames=256.")
+        given.setdefault(key.strip(), []).append(raw)
         _set_dotted(data, key.strip(), override_value(key.strip(), raw))
+    for key, values in given.items():
+        if len(values) > 1:
+            _say_once(f"the command line gives {key} {len(values)} times ({', '.join(values)}); the last, "
+                      f"{key}={values[-1]}, is used.")
     if problems := key_problems(GRPOConfig, data, ""):  # every unknown key at once, not one per run
         raise ConfigError(problems[0] if len(problems) == 1 else
                           f"{len(problems)} settings are not keys here:\n  " + "\n  ".join(problems))
@@ -65,18 +75,49 @@ def override_value(key: str, raw: str) -> Any:
     return value
 
 
-def _takes_text(key: str) -> bool:
-    """The setting ``key`` (dotted) holds text: its type is ``str`` (or ``str | None``)."""
+def repeated_keys(text: str) -> dict[str, list[int]]:
+    """Each setting a YAML text gives more than once -> the lines that give it (YAML keeps the last, silently).
+    A setting is a dotted path, however it is written: ``trainer.lr: 1`` and ``trainer: {lr: 2}`` give the same."""
+    lines: dict[str, list[int]] = {}
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.value != "<<":
+                    name = f"{prefix}{key.value}"
+                    if isinstance(value, yaml.MappingNode):
+                        walk(value, name + ".")
+                    else:
+                        lines.setdefault(name, []).append(key.start_mark.line + 1)
+
+    walk(yaml.compose(text, Loader=yaml.SafeLoader), "")
+    return {key: at for key, at in lines.items() if len(at) > 1}
+
+
+def _say_once(line: str) -> None:
+    from grpo_accel.distributed import first_process
+
+    if first_process():
+        log.warning("%s", line)
+
+
+def _setting_type(key: str) -> Any:
+    """The schema's type of the setting ``key`` (dotted), or None where it is no setting."""
     cls: Any = GRPOConfig
     for part in key.split("."):
         if not dataclasses.is_dataclass(cls):
-            return False
-        tp = typing.get_type_hints(cls).get(part)
-        if tp is None:
-            return False
-        cls = tp
-    args = [a for a in typing.get_args(cls) if a is not type(None)]
-    return cls is str or (typing.get_origin(cls) in (typing.Union, types.UnionType) and args == [str])
+            return None
+        cls = typing.get_type_hints(cls).get(part)
+        if cls is None:
+            return None
+    return cls
+
+
+def _takes_text(key: str) -> bool:
+    """The setting ``key`` (dotted) holds text: its type is ``str`` (or ``str | None``)."""
+    tp = _setting_type(key)
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return tp is str or (typing.get_origin(tp) in (typing.Union, types.UnionType) and args == [str])
 
 
 def key_problems(cls, data: Any, prefix: str) -> list[str]:
@@ -169,13 +210,20 @@ def to_dict(cfg) -> dict:
 
 
 def _set_dotted(data: dict, key: str, value: Any) -> None:
+    """``data[a][b] = value`` for ``key`` ``a.b``; a mapping given for a section is merged into what is already
+    there (``trainer.lr`` then ``trainer: {...}`` keeps both); any other value replaces."""
     node = data
     parts = key.split(".")
     for part in parts[:-1]:
         if not isinstance(node.get(part), dict):
             node[part] = {}
         node = node[part]
-    node[parts[-1]] = value
+    if isinstance(value, dict) and isinstance(node.get(parts[-1]), dict) and dataclasses.is_dataclass(
+            _setting_type(key)):
+        for inner, item in value.items():  # key is a path from data's top: the section's settings one by one
+            _set_dotted(data, f"{key}.{inner}", item)
+    else:
+        node[parts[-1]] = value
 
 
 def build_section(cls, data: dict, key: str):

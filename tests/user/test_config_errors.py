@@ -69,6 +69,23 @@ def test_every_unknown_key_at_once_with_what_was_meant(tmp_path):
     assert lines[2].startswith("  trainer.totl_frames: unknown key; did you mean trainer.total_frames?")
 
 
+def test_a_setting_given_twice_is_said_with_the_one_that_wins(tmp_path, caplog):
+    """Issue 74 item 10: YAML keeps a key's last value silently, and so did the command line; a section written
+    both dotted and nested keeps both (it lost the dotted settings written before it)."""
+    config = tmp_path / "twice.yaml"
+    config.write_text("optim:\n  lr: 1.0e-5\ntrainer.total_frames: 64\noptim.lr: 2.0e-5\ntrainer:\n  seed: 3\n")
+    with caplog.at_level(logging.WARNING):
+        cfg = load_config(config, ["trainer.seed=4", "trainer.seed=5"])
+    assert (cfg.optim.lr, cfg.trainer.total_frames, cfg.trainer.seed) == (2.0e-5, 64, 5)
+    assert (f"config file {config}: optim.lr is given 2 times (lines 2, 4); the last (line 4) is used. "
+            "Keep one.") in caplog.text
+    assert "the command line gives trainer.seed 2 times (4, 5); the last, trainer.seed=5, is used." in caplog.text
+    assert "trainer.total_frames is given" not in caplog.text and "trainer.seed is given" not in caplog.text
+    caplog.clear()
+    load_config(config, ["trainer.seed=4"])  # a command line over the file is what overrides are for
+    assert "the command line gives" not in caplog.text
+
+
 def test_fewer_rows_than_prompts_per_batch_are_said(tmp_path, caplog):
     """Item 8: 4 rows with 16 prompts per batch repeated rows, unsaid."""
     data = tmp_path / "rows.jsonl"
