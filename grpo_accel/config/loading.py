@@ -21,7 +21,7 @@ import yaml
 
 from grpo_accel.config.checks import ConfigError, check_key
 from grpo_accel.config.rollout_schema import RewardConfig
-from grpo_accel.config.schema import GRPOConfig
+from grpo_accel.config.schema import BUILT_IN_MODEL_SIZES, GRPOConfig
 from grpo_accel.config.trl.fields import trl_hint
 
 log = logging.getLogger(__name__)
@@ -352,6 +352,9 @@ def _differences(saved: dict, current: dict) -> list[tuple[str, str]]:
         a["rewards"] = [{**{k: v for k, v in defaults.items() if k not in ("name", "weight", "kwargs")}, **r}
                         for r in a["rewards"]]
     a, b = _entries(a), _entries(flatten_keys(current))
+    if a.get("model.name_or_path") is not None or b.get("model.name_or_path") is not None:
+        for key in BUILT_IN_MODEL_SIZES:  # nothing to a named model (a checkpoint saved before they were left out holds them)
+            a.pop(f"model.{key}", None), b.pop(f"model.{key}", None)
     return [(k, f"{k}: {a.get(k)!r} -> {b.get(k)!r}") for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 

@@ -12,6 +12,7 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
 import typing
 from dataclasses import dataclass, field
 
@@ -94,6 +95,33 @@ class ModelConfig:
                   or "/" in self.attn_implementation, "model.attn_implementation", self.attn_implementation,
                   f"use one of {list(ATTENTION_KERNELS)}, a hub kernel such as kernels-community/flash-attn, or null "
                   "(transformers' choice).")
+
+
+BUILT_IN_MODEL_SIZES = ("hidden_size", "num_layers", "num_heads", "intermediate_size")
+"""``model.*`` settings that size the built-in model: they do nothing to a named one (model.name_or_path)."""
+
+
+def without_unused(settings: dict) -> dict:
+    """``settings`` (a config as nested dicts) less what does nothing: the built-in model's sizes when
+    ``model.name_or_path`` names a model. What a run records and what a resume compares."""
+    model = settings.get("model") or {}
+    if model.get("name_or_path") is None:
+        return settings
+    return {**settings, "model": {k: v for k, v in model.items() if k not in BUILT_IN_MODEL_SIZES}}
+
+
+def unused_settings(cfg: GRPOConfig) -> list[str]:
+    """One line per setting given that does nothing beside the others: the built-in model's sizes on a named
+    model, ``hub.model_id`` without ``hub.push``."""
+    out, built_in = [], ModelConfig()
+    if cfg.model.name_or_path is not None:
+        out += [f"model.{key}={getattr(cfg.model, key)} has no effect: it sizes the built-in model, and "
+                f"model.name_or_path={cfg.model.name_or_path} names another (drop it)"
+                for key in BUILT_IN_MODEL_SIZES if getattr(cfg.model, key) != getattr(built_in, key)]
+    if cfg.hub.model_id and not cfg.hub.push:
+        out.append(f"hub.model_id={cfg.hub.model_id} has no effect: hub.push is false (set hub.push=true to upload "
+                   "there)")
+    return out
 
 
 @dataclass
@@ -347,6 +375,10 @@ class GRPOConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     hub: HubConfig = field(default_factory=HubConfig)
+
+    def as_dict(self) -> dict:
+        """The settings as nested dicts, less those that do nothing here (:func:`without_unused`)."""
+        return without_unused(dataclasses.asdict(self))
 
     def __post_init__(self) -> None:
         # null settings that follow the model and the hardware (grpo_accel.config.defaults); what they took is said

@@ -104,8 +104,9 @@ def redact(settings: dict, references: dict[str, str] | None = None) -> dict:
 
 
 def record(cfg) -> dict:
-    """The settings of ``cfg`` (a GRPOConfig) as a run writes them down: :func:`redact`'d."""
-    return redact(dataclasses.asdict(cfg), getattr(cfg, "secret_references", {}))
+    """The settings of ``cfg`` (a GRPOConfig) as a run writes them down: those that do something
+    (``GRPOConfig.as_dict``), :func:`redact`'d."""
+    return redact(cfg.as_dict(), getattr(cfg, "secret_references", {}))
 
 
 SECRET_IN_TEXT = re.compile(rf"((?<![\w.-])(?:[\w\[\].-]*[._-])?{NAMES}(?:[._-][\w-]*)?[\"']?\s*[=:]\s*)"

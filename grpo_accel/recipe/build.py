@@ -18,7 +18,7 @@ from pathlib import Path
 from grpo_accel.distributed import first_process, full_numel
 from grpo_accel.layout import BatchLayout
 from grpo_accel.config.checks import ConfigError
-from grpo_accel.config.schema import GRPOConfig
+from grpo_accel.config.schema import GRPOConfig, unused_settings
 from grpo_accel.recipe.engines import build_engine_and_sender
 from grpo_accel.recipe.wiring import COLLECTOR_NAMES, LAYOUT_NAMES, by_name
 
@@ -79,6 +79,8 @@ def build_trainer(cfg: GRPOConfig):
         if line := cfg.followed_defaults.describe():
             log.info(line)
         warn_unusual_settings(cfg, model)
+        for line in unused_settings(cfg):
+            log.warning(line)
         log.info(layout.describe(micro_batch, t.gradient_accumulation_steps, t.num_epochs, t.optim_steps_per_batch))
     trackers = open_run_trackers(cfg, resume) if accelerator.is_main_process else None
     engine, sender = build_engine_and_sender(cfg, model, tokenizer, accelerator)
@@ -248,9 +250,6 @@ def _register_hooks(trainer, cfg: GRPOConfig, engine, sender, tokenizer, held_ou
                               success_threshold=cfg.eval.success_threshold, episodes=trainer.collector.episodes)
         trainer.register_op("pre_train", evaluator.before_training, "evaluate_untrained")
         trainer.register_op("post_iteration", evaluator, "evaluate")
-    if cfg.hub.model_id and not cfg.hub.push and trainer.accelerator.is_main_process:
-        log.warning("hub.model_id=%s has no effect: hub.push is false (set hub.push=true to upload there)",
-                    cfg.hub.model_id)
     if cfg.hub.push and trainer.accelerator.is_main_process:  # the Hub gets the exported model, after each checkpoint
         from grpo_accel.run.export import export_checkpoint
         from grpo_accel.run.hub import HubPusher

@@ -144,6 +144,23 @@ def test_renamed_keys_name_their_new_name_and_old_checkpoints_still_match():
     assert resume_conflicts(saved, current) == ["rollout.prompts_per_batch: 4 -> 16"]
 
 
+def test_a_named_models_checkpoint_resumes_whether_or_not_it_recorded_the_built_in_sizes():
+    """Checkpoints saved before the built-in model's sizes were left out of a named model's record still hold
+    them (64, 2, ...); the sizes do nothing to that model, so neither record nor resume compares them."""
+    from grpo_accel.config.loading import changed_settings, resume_conflicts
+    from grpo_accel.config.secrets import record
+
+    cfg = load_config(None, ["model.name_or_path=some/model"])
+    current = record(cfg)
+    assert "hidden_size" not in current["model"] and current["model"]["name_or_path"] == "some/model"
+    saved = to_dict(cfg)  # as the earlier release recorded it
+    assert saved["model"]["hidden_size"] == 64
+    assert resume_conflicts(saved, current) == [] and changed_settings(saved, current) == []
+    built_in = record(load_config(None, []))  # the built-in model: its sizes are recorded and compared
+    assert resume_conflicts(built_in, record(load_config(None, ["model.num_layers=3"]))) == [
+        "model.num_layers: 2 -> 3"]
+
+
 def test_the_layout_line_names_a_short_last_micro_batch_and_the_steps_it_shrinks(tmp_path):
     """Issue 49 item 8: 32 completions per process in micro-batches of 7 were "5 micro-batches of 7", and under
     2 processes (16 each) "14 completions per optimizer step". Run as a user runs it, and the 2-process line."""

@@ -43,11 +43,19 @@ def test_a_warmup_as_long_as_the_run_is_one_line(tmp_path):
 
 def test_an_unset_budget_that_does_not_fit_the_model_follows_it_and_says_so(tmp_path, model_dir, caplog):
     """Item 5: a named model of 128 positions with rollout.max_new_tokens unset (TRL's 256): the run stopped naming
-    a key the user never set; now the budget is what the context leaves after the longest prompt (4 tokens)."""
+    a key the user never set; now the budget is what the context leaves after the longest prompt (4 tokens).
+    Issue 74 item 11: the built-in model's sizes do nothing to a named model: config.yaml leaves them out, and one
+    given is said."""
+    import yaml
+
     out = tmp_path / "run"
     with caplog.at_level(logging.INFO):
         assert train_in_process([f"output_dir={out}", f"model.name_or_path={model_dir}", "optim.lr=3e-4",
-                                 "trainer.total_frames=128", "trainer.progress_bar=false"]) == 0
+                                 "trainer.total_frames=128", "trainer.progress_bar=false", "model.num_layers=6"]) == 0
+    assert (f"model.num_layers=6 has no effect: it sizes the built-in model, and model.name_or_path={model_dir} "
+            "names another (drop it)") in caplog.text
+    recorded = yaml.safe_load((out / "config.yaml").read_text())["model"]
+    assert recorded["name_or_path"] == str(model_dir) and not {"hidden_size", "num_layers"} & set(recorded)
     assert ("rollout.max_new_tokens (unset) follows the model: 124, what its 128 positions leave after the longest "
             "prompt (4 tokens), not the default 256") in caplog.text
     said = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("unset settings that follow"))
