@@ -23,7 +23,7 @@ from grpo_accel.config.outputs import CheckpointConfig, EvalConfig, HubConfig
 from grpo_accel.config.rollout_schema import RewardConfig, RolloutConfig, WeightSyncConfig
 from grpo_accel.config.secrets import expand_secrets
 from grpo_accel.rules import TRAINING_DTYPES
-from grpo_accel.tasks import BUILTIN_TASKS
+from grpo_accel.tasks import BUILTIN_TASKS, task_max_operand
 from grpo_accel.tasks.tiny import TinyModelSpec  # the built-in model's sizes, written once there
 
 
@@ -162,8 +162,9 @@ class DataConfig:
     """Built-in task when path is None: addition ("3+4=", for the tiny model), chat_arithmetic (two-digit sums
     and differences asked as chat messages, for a pretrained chat model) or calculator (products "What is
     347*29?", for multi-turn episodes with rollout.environment=calculator)."""
-    max_operand: int = 4
-    """Built-in task only: operands are 0..max_operand (addition) or 10..max_operand (the others)."""
+    max_operand: int | None = None
+    """Built-in task only: operands are 0..max_operand (addition) or 10..max_operand (the others); null: the
+    task's own (addition 4, chat_arithmetic 99, calculator 999)."""
     holdout: int = 0
     """Built-in task only: rows kept out of training for evaluation."""
 
@@ -173,6 +174,8 @@ class DataConfig:
         from grpo_accel.rewards import ANSWER_FORMATS  # the formats reference_answer reads (lazily: it imports torch)
 
         check_choice("data.answer_format", self.answer_format, ANSWER_FORMATS)
+        if self.max_operand is None:  # follows the task
+            self.max_operand = task_max_operand(self.task)
         check_rules("data", self, max_operand="positive_count")
         if self.task == "addition":
             check_key(0 <= self.holdout < (self.max_operand + 1) ** 2, "data.holdout", self.holdout,

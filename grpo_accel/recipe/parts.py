@@ -17,7 +17,7 @@ from grpo_accel.config.rollout_schema import RewardConfig, RolloutConfig
 from grpo_accel.config.schema import DataConfig, LoraConfig, ModelConfig
 from grpo_accel.rewards import BUILTIN_REWARDS, RewardSet, is_async_reward
 from grpo_accel.rules import TRAINING_DTYPES
-from grpo_accel.tasks import BUILTIN_TASKS
+from grpo_accel.tasks import task_rows
 
 
 def build_tokenizer_and_model(cfg: ModelConfig, seed: int = 0):
@@ -247,9 +247,8 @@ def prepare_rows(rows: list[dict], cfg: DataConfig, where: str) -> list[dict]:
 
 
 def _builtin_task(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
-    module, _, name = BUILTIN_TASKS[cfg.task].partition(":")
     try:
-        return getattr(importlib.import_module(module), name)(cfg.max_operand, cfg.holdout)
+        return task_rows(cfg.task)(cfg.max_operand, cfg.holdout)
     except ValueError as exc:  # the task's own check of max_operand / holdout, naming its argument
         raise ConfigError(f"data.{exc}") from exc
 

@@ -144,8 +144,11 @@ def test_chat_arithmetic_task_has_a_disjoint_held_out_split():
         a, op, b = re.fullmatch(r"What is (\d+)([+-])(\d+)\? Answer with just the number\.", key(row)).groups()
         assert 10 <= int(a) <= 99 and 10 <= int(b) <= 99
         assert int(row["answer"]) == (int(a) + int(b) if op == "+" else int(a) - int(b)) >= 0
+    # issue 74 item 9: the operand range follows the task (it was addition's 4, refused for a setting never set)
+    assert [DataConfig(task=t).max_operand for t in ("addition", "chat_arithmetic", "calculator")] == [4, 99, 999]
+    assert len(build_rows(DataConfig(task="chat_arithmetic"))[0]) == 4000
     with pytest.raises(ConfigError, match="data.max_operand=4: chat_arithmetic uses operands 10..max_operand"):
-        build_rows(DataConfig(task="chat_arithmetic"))
+        build_rows(DataConfig(task="chat_arithmetic", max_operand=4))
     with pytest.raises(ConfigError, match="data.task='nope': must be one of"):
         DataConfig(task="nope")
 
