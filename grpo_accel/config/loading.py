@@ -131,6 +131,9 @@ def key_problems(cls, data: Any, prefix: str) -> list[str]:
         if f"{prefix}{key}" in RENAMED:
             new = RENAMED[f"{prefix}{key}"]
             out.append(f"{prefix}{key}: renamed {new} (the same setting); write {new} instead.")
+        elif key not in names and (glued := _glued(key, value, names)):
+            out.append(f"{prefix}{key}: unknown key: YAML read {key!r} as one key (with no value), as a colon with "
+                       f"no space after it does not end a key; write {{{glued}}} (a space after the colon).")
         elif key not in names:
             close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.75)
             guess = f" did you mean {prefix}{close[0]}?" if close else ""
@@ -142,6 +145,13 @@ def key_problems(cls, data: Any, prefix: str) -> list[str]:
             for i, entry in enumerate(value):
                 out += key_problems(RewardConfig, entry, f"{prefix}rewards[{i}].")
     return out
+
+
+def _glued(key: Any, value: Any, names: list[str]) -> str | None:
+    """``name: value`` for a key YAML read with its value glued on (``{name:'mod:fn'}`` is the key
+    ``name:'mod:fn'`` with no value), where ``name`` is a key here; else None."""
+    head, colon, rest = str(key).partition(":")
+    return f"{head}: {rest}" if colon and value is None and head in names else None
 
 
 def from_trl(data: dict, path: Path) -> dict:

@@ -94,6 +94,15 @@ def test_a_setting_given_twice_is_said_with_the_one_that_wins(tmp_path, caplog):
     assert "the command line gives" not in caplog.text
 
 
+def test_a_key_yaml_read_with_its_value_glued_on_says_what_yaml_read():
+    """Issue 74 item 6: ``{name:'mod:fn'}`` is, to YAML, the key ``name:'mod:fn'`` with no value."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["rewards=[{name:'mod:fn'}]"])
+    assert str(err.value) == ("rewards[0].name:'mod:fn': unknown key: YAML read \"name:'mod:fn'\" as one key (with no "
+                              "value), as a colon with no space after it does not end a key; write {name: 'mod:fn'} "
+                              "(a space after the colon).")
+
+
 def test_fewer_rows_than_prompts_per_batch_are_said(tmp_path, caplog):
     """Item 8: 4 rows with 16 prompts per batch repeated rows, unsaid."""
     data = tmp_path / "rows.jsonl"
