@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import time
 import warnings
@@ -69,6 +70,28 @@ def shown_once(showwarning):
     return show
 
 
+def dashed_settings(argv: list[str], options: tuple[str, ...] = ("--config",)) -> list[str]:
+    """``argv`` with settings written as options, TRL's and argparse's habit (``--learning_rate 1e-6``,
+    ``--optim.lr=1e-6``, ``--max-new-tokens 64``, a bare ``--overwrite`` for true), as ``key=value`` overrides;
+    ``options`` and ``--help`` stay options, and what follows ``--`` stays as it is."""
+    out, rest = [], list(argv)
+    while rest:
+        arg = rest.pop(0)
+        name, eq, value = arg.partition("=")
+        if arg == "--":
+            return [*out, arg, *rest]
+        if not arg.startswith("--") or name in (*options, "--help"):
+            out.append(arg)
+            if name in options and not eq and rest:
+                out.append(rest.pop(0))
+            continue
+        if not eq:  # the value is the next argument, unless that is another option or a key=value (a flag: true)
+            takes = rest and not rest[0].startswith("--") and not re.match(r"[A-Za-z_][\w.\[\]]*=", rest[0])
+            value = rest.pop(0) if takes else "true"
+        out.append(f"{name[2:].replace('-', '_')}={value}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from grpo_accel.config.reference import help_text
 
@@ -76,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog=help_text())
     parser.add_argument("--config", help="YAML config file, or a shipped recipe's name, e.g. dapo (default: the "
                                          "built-in embedded run)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_frames=256")
-    args = parser.parse_args(argv)
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_frames=256 (or --key value)")
+    args = parser.parse_args(dashed_settings(sys.argv[1:] if argv is None else argv))
     quiet_console()
     from grpo_accel.runtime import start_process
     from grpo_accel.shipped import find

@@ -82,6 +82,23 @@ def test_the_installed_command_trains_alone_and_under_zero2_by_name_and_exports(
     assert (empty / "exported" / "config.json").is_file() and list((empty / "exported").glob("*.safetensors"))
 
 
+def test_settings_written_as_options_are_overrides():
+    """Issue 74 item 7: ``--learning_rate 1e-6`` (TRL's and argparse's habit) was argparse's bare "unrecognized
+    arguments"; settings may be written as options, and TRL's names are then answered as on any other line."""
+    from grpo_accel.config.checks import ConfigError
+    from grpo_accel.cli.train import dashed_settings
+
+    assert dashed_settings(["--config", "dapo", "--optim.lr", "1e-6", "--overwrite", "trainer.seed=3",
+                            "--max-new-tokens=64", "--loss.eps_low", "-0.1", "--help"]) == [
+        "--config", "dapo", "optim.lr=1e-6", "overwrite=true", "trainer.seed=3", "max_new_tokens=64",
+        "loss.eps_low=-0.1", "--help"]
+    with pytest.raises(ConfigError, match=r"trainer.total_frames='abc': must be an integer"):
+        train_in_process(["--trainer.total_frames", "abc"])  # read as the setting, through the trainer's command
+    with pytest.raises(ConfigError, match=r"learning_rate: unknown key; `learning_rate` is TRL's name; here it is "
+                                          r"`optim.lr`"):
+        train_in_process(["--learning_rate", "1e-6"])
+
+
 def test_report_draws_the_event_files_points(tmp_path):
     out = tmp_path / "run"
     assert train_in_process([f"output_dir={out}", "trainer.total_frames=384", "trainer.progress_bar=false",
