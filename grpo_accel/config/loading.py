@@ -154,6 +154,24 @@ def _glued(key: Any, value: Any, names: list[str]) -> str | None:
     return f"{head}: {rest}" if colon and value is None and head in names else None
 
 
+def _unknown_in_trl_file(data: dict, names: set[str]) -> list[str]:
+    """One line per top-level key of a TRL config file (``names``: its TRL keys) that is neither TRL's nor the
+    start of one of grpo_accel's settings: the closest of either's names, and how a TRL file names its data."""
+    from grpo_accel.config.trl.fields import TRL_KEYS
+
+    ours = [f.name for f in dataclasses.fields(GRPOConfig)]
+    out = []
+    for key in map(str, data):
+        if key in names or key.split(".")[0] in ours:
+            continue
+        close = difflib.get_close_matches(key, sorted(TRL_KEYS) + ours, n=1, cutoff=0.75)
+        guess = f" did you mean {close[0]}?" if close else ""
+        where = (" A TRL file names its data by dataset_name (a local file or folder, or a Hub id), with "
+                 "dataset_config and dataset_train_split." if "data" in key.lower() else "")
+        out.append(f"{key}: unknown key;{guess}{where}" if guess or where else f"{key}: unknown key.")
+    return out
+
+
 def from_trl(data: dict, path: Path) -> dict:
     """``data`` with its dotted keys nested; where it holds ``trl grpo`` keys (:mod:`grpo_accel.config.trl.translate`),
     their translation, said once (one line per setting), under grpo_accel's own settings of the same file. A
@@ -163,6 +181,9 @@ def from_trl(data: dict, path: Path) -> dict:
     if not isinstance(data, dict):
         return data
     names = trl_keys(data)
+    if names and (unknown := _unknown_in_trl_file(data, names)):  # answered in the file's own terms
+        raise ConfigError(f"{path} holds TRL's settings and {len(unknown)} key(s) that are neither TRL's nor "
+                          "grpo_accel's:\n  " + "\n  ".join(unknown))
     ours: dict = {}
     for key, value in data.items():
         if key not in names:

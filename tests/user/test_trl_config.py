@@ -83,6 +83,21 @@ def test_a_file_of_grpo_accels_own_keys_is_never_read_as_trls():
     assert is_trl_config({"optim": "adamw_torch"})  # TRL's optim is a string; grpo_accel's a section
 
 
+def test_a_key_of_neither_is_answered_in_the_files_own_terms(tmp_path):
+    """Issue 74 item 4: a typo in a TRL file was offered grpo_accel's top-level keys; a script's own key for its
+    data gets how a TRL file names data. Every such key at once; grpo_accel's own keys beside TRL's still pass."""
+    config = tmp_path / "trl.yaml"
+    config.write_text("num_generatons: 8\nlearning_rate: 1.0e-6\nreward_funcs: [accuracy_reward]\n"
+                      "dataset_train_path: rows.jsonl\ntrainer.total_frames: 64\noptim: {clip_norm: 1.0}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(config)
+    assert str(err.value).splitlines() == [
+        f"{config} holds TRL's settings and 2 key(s) that are neither TRL's nor grpo_accel's:",
+        "  num_generatons: unknown key; did you mean num_generations?",
+        "  dataset_train_path: unknown key; did you mean dataset_train_split? A TRL file names its data by "
+        "dataset_name (a local file or folder, or a Hub id), with dataset_config and dataset_train_split."]
+
+
 def test_what_has_no_counterpart_is_refused_one_line_each(tmp_path):
     path = tmp_path / "trl.yaml"
     path.write_text(yaml.safe_dump({"model_name_or_path": "Qwen/Qwen2.5-0.5B-Instruct", "sync_ref_model": True,
