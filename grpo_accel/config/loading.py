@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> GRPOConfig:
     """Defaults, then the YAML file at ``path`` (if any), then ``key=value`` overrides (values parsed as YAML)."""
     data: dict = {}
+    trl_sources: dict[str, str] = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -42,7 +43,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         for key, lines in repeated_keys(text).items():
             _say_once(f"config file {path}: {key} is given {len(lines)} times (lines {', '.join(map(str, lines))}); "
                       f"the last (line {lines[-1]}) is used. Keep one.")
-        data = from_trl(data, path)
+        data, trl_sources = from_trl(data, path)
     given: dict[str, list[str]] = {}
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -57,7 +58,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if problems := key_problems(GRPOConfig, data, ""):  # every unknown key at once, not one per run
         raise ConfigError(problems[0] if len(problems) == 1 else
                           f"{len(problems)} settings are not keys here:\n  " + "\n  ".join(problems))
-    return _resolve_paths(_build(GRPOConfig, data, ""))
+    cfg = _resolve_paths(_build(GRPOConfig, data, ""))
+    cfg.trl_sources = {key: source for key, source in trl_sources.items()  # the file's, unless overridden
+                       if source and key not in given}
+    return cfg
 
 
 def override_value(key: str, raw: str) -> Any:
@@ -172,14 +176,15 @@ def _unknown_in_trl_file(data: dict, names: set[str]) -> list[str]:
     return out
 
 
-def from_trl(data: dict, path: Path) -> dict:
+def from_trl(data: dict, path: Path) -> tuple[dict, dict[str, str]]:
     """``data`` with its dotted keys nested; where it holds ``trl grpo`` keys (:mod:`grpo_accel.config.trl.translate`),
     their translation, said once (one line per setting), under grpo_accel's own settings of the same file. A
-    setting that both give is an error naming the two."""
+    setting that both give is an error naming the two. Also returns, per setting translated, the TRL key it came
+    from ("" for TRL's defaults)."""
     from grpo_accel.config.trl.translate import translation, trl_keys
 
     if not isinstance(data, dict):
-        return data
+        return data, {}
     names = trl_keys(data)
     if names and (unknown := _unknown_in_trl_file(data, names)):  # answered in the file's own terms
         raise ConfigError(f"{path} holds TRL's settings and {len(unknown)} key(s) that are neither TRL's nor "
@@ -189,7 +194,7 @@ def from_trl(data: dict, path: Path) -> dict:
         if key not in names:
             _set_dotted(ours, str(key), value)
     if not names:
-        return ours
+        return ours, {}
     from grpo_accel.distributed import first_process, launch_world_size
 
     given = flatten_keys(ours)
@@ -207,7 +212,7 @@ def from_trl(data: dict, path: Path) -> dict:
     nested: dict = {}
     for key, value in {**t.settings, **given}.items():
         _set_dotted(nested, key, value)
-    return nested
+    return nested, t.sources
 
 
 def _dataset_rows(settings: dict) -> int:

@@ -387,6 +387,7 @@ class GRPOConfig:
         # null settings that follow the model and the hardware (grpo_accel.config.defaults); what they took is said
         # at start (no field: config.yaml records the values themselves)
         self.followed_defaults = fill_model_defaults(self)
+        self.trl_sources: dict[str, str] = {}  # setting -> the TRL file's key it came from (load_config's)
         # secrets written ${NAME} read from the environment; their references are what the run records
         self.secret_references = expand_secrets(self)
         check_key(bool(self.rewards), "rewards", self.rewards, "list at least one reward function.")

@@ -163,9 +163,11 @@ def encode_prompts(rows: list[dict], tokenizer, *, prompt_field: str = "prompt",
         if not tokens:
             raise DataError(f"{where} encodes to no tokens; check the tokenizer (the model's own?) or drop that row.")
         if max_tokens is not None and len(tokens) > max_tokens:
-            limit = setting(names, "max_prompt_tokens")
+            limit, overlong = setting(names, "max_prompt_tokens"), setting(names, "overlong_prompts")
             raise DataError(f"{where} is {len(tokens)} tokens{' after the chat template' if messages else ''}, more "
-                            f"than {limit}={max_tokens}; raise {limit} or drop/shorten that prompt.")
+                            f"than {limit}={max_tokens}; raise {limit}, shorten or drop that prompt, or set "
+                            f"{overlong}=drop (such rows leave the data) or truncate_left (each keeps its last "
+                            f"{max_tokens} tokens, what older TRL did with max_prompt_length).")
         texts.append(text)
         ids.append(tokens)
         conversations.append(messages)

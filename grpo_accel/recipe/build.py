@@ -20,7 +20,7 @@ from grpo_accel.layout import BatchLayout
 from grpo_accel.config.checks import ConfigError
 from grpo_accel.config.schema import GRPOConfig, unused_settings
 from grpo_accel.recipe.engines import build_engine_and_sender
-from grpo_accel.recipe.wiring import COLLECTOR_NAMES, LAYOUT_NAMES, by_name
+from grpo_accel.recipe.wiring import COLLECTOR_NAMES, LAYOUT_NAMES, as_written, by_name
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def build_collector(cfg: GRPOConfig, engine, tokenizer, rows, rewards, environme
 
     settings = by_name(GRPOCollector, cfg.rollout, cfg.data, cfg.loss, skip=("environment",))
     return GRPOCollector(engine, tokenizer, rows, rewards, layout=layout, rank=rank, seed=cfg.trainer.seed,
-                         environment=environment, names=COLLECTOR_NAMES, **settings)
+                         environment=environment, names=as_written(COLLECTOR_NAMES, cfg.trl_sources), **settings)
 
 
 def build_loss(cfg: GRPOConfig, model, reference):

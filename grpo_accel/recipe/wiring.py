@@ -19,6 +19,12 @@ SGLANG_NAMES = {"api_key": "rollout.api_key", "admin_api_key": "weight_sync.admi
 VLLM_NAMES = {key: SGLANG_NAMES[key] for key in ("api_key", "health_timeout_s", "urls", "timeout_s", "pause_mode")}
 
 
+def as_written(names: dict[str, str], sources: dict[str, str]) -> dict[str, str]:
+    """``names`` where a TRL file gave the setting: the file's key, then ours (``cfg.trl_sources``), so that a
+    message names what the user wrote: ``max_prompt_length (rollout.max_prompt_tokens)``."""
+    return {name: f"{sources[key]} ({key})" if sources.get(key) else key for name, key in names.items()}
+
+
 def by_name(target, *sections, skip: tuple[str, ...] = ()) -> dict:
     """The settings of ``sections`` (config dataclasses) that ``target`` takes as arguments of the same name: a
     component's settings are wired by name, so that a new one is a schema line and the code that uses it. Two

@@ -101,7 +101,9 @@ def test_an_error_of_ours_is_one_line_and_exit_code_2(tmp_path):
     assert direct.returncode == 2 and 'launch/train.py", line' not in direct.stderr  # not a traceback
     assert direct.stderr.splitlines()[-1] == (
         "error: dataset row 0: column 'prompt' is 4 tokens, more than rollout.max_prompt_tokens=2; raise "
-        "rollout.max_prompt_tokens or drop/shorten that prompt."), direct.stderr[-3000:]
+        "rollout.max_prompt_tokens, shorten or drop that prompt, or set data.overlong_prompts=drop (such rows leave "
+        "the data) or truncate_left (each keeps its last 2 tokens, what older TRL did with max_prompt_length)."
+    ), direct.stderr[-3000:]
     bad = [f"output_dir={tmp_path}/ddp", "trainer.micro_batch_completions=24", "trainer.gradient_accumulation_steps=4"]
     proc = launch("ddp.yaml", bad, expect_ok=False, timeout=120)
     said = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]

@@ -137,6 +137,22 @@ report_to: none
 """
 
 
+def test_a_prompt_over_the_files_max_prompt_length_names_that_key_and_the_choices(tmp_path):
+    """Issue 74 item 5: the line named rollout.max_prompt_tokens, a key the TRL file never wrote, and only "raise it
+    or drop/shorten that prompt"; now the file's key first, and data.overlong_prompts' choices."""
+    from grpo_accel.data.prompts import DataError
+
+    config = tmp_path / "trl.yaml"
+    config.write_text("max_prompt_length: 2\nmax_steps: 1\nrewards: [{name: answer_match}]\n")
+    with pytest.raises(DataError) as err:
+        main_in_process("train", ["--config", str(config), f"output_dir={tmp_path / 'run'}"])
+    assert str(err.value).endswith(
+        "is 4 tokens, more than max_prompt_length (rollout.max_prompt_tokens)=2; raise max_prompt_length "
+        "(rollout.max_prompt_tokens), shorten or drop that prompt, or set data.overlong_prompts=drop (such rows "
+        "leave the data) or truncate_left (each keeps its last 2 tokens, what older TRL did with max_prompt_length).")
+    assert load_config(config, ["rollout.max_prompt_tokens=3"]).trl_sources.get("rollout.max_prompt_tokens") is None
+
+
 def test_a_trl_grpo_file_trains_with_trls_layout(tmp_path, monkeypatch, model_dir, caplog):
     """TRL counts 4 optimizer steps of 8 completions x 2 accumulated per device: a generation of 16 completions
     (4 prompts x 4) each step. The same here: 4 batches of 16, one optimizer step each, checkpoints every 2."""
