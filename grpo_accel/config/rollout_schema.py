@@ -172,8 +172,9 @@ class WeightSyncConfig:
     master_address: str | None = None
     """distributed: address of training rank 0 that the servers connect to; null: its address on the route to
     the first server (a loopback address when the servers run on this machine)."""
-    master_port: int = 29600
-    """Port of the weight-update process group's rendezvous on master_address."""
+    master_port: int | None = None
+    """Port of the weight-update process group's rendezvous on master_address; null: a free one, said at start
+    (two trainers on one host would collide on a fixed one)."""
     dtype: str = "bfloat16"
     """dtype the servers hold the weights in."""
     disk_path: str | None = None
@@ -202,3 +203,5 @@ class WeightSyncConfig:
         check_choice("weight_sync.pause_mode", self.pause_mode, PAUSE_MODES)
         check_key(self.bucket_mb > 0, "weight_sync.bucket_mb", self.bucket_mb, "must be > 0.")
         check_rules("weight_sync", self, max_attempts="positive_count")
+        check_key(self.master_port is None or 0 < self.master_port < 65536, "weight_sync.master_port",
+                  self.master_port, "must be a port (1..65535), or null for a free one.")

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Mapping
 
 import torch
+import torch.distributed as dist
 
 from grpo_accel.http import ServerError
 from grpo_accel.rules import check_choice, setting
@@ -52,7 +53,7 @@ class DistributedTransport(SGLangTransport):
 
     uses_session = True
 
-    def __init__(self, servers: SGLangServers, sending: bool, *, master_address: str | None, master_port: int,
+    def __init__(self, servers: SGLangServers, sending: bool, *, master_address: str | None, master_port: int | None,
                  backend: str, load_format: str, dtype: torch.dtype, group_name: str, timeout_s: float) -> None:
         super().__init__(servers)
         self.load_format, self.timeout_s, self.dtype = load_format, timeout_s, dtype
@@ -61,14 +62,21 @@ class DistributedTransport(SGLangTransport):
         if sending:
             gpus = [info.tp_size for info in servers.infos]
             self.offsets = [1 + sum(gpus[:i]) for i in range(len(gpus))]  # engine i: 1 + GPUs of engines before it
-            if master_address is None:
-                url = servers.clients[0].url
-                master_address = address_towards(url)
-                logger.info("weight-update group at %s:%d, this trainer's address on the route to %s (set %s to "
-                            "choose another)", master_address, master_port, url,
-                            setting(servers.names, "master_address"))
-            self.group = WeightUpdateGroup(self.backend, master_address, master_port, 1 + sum(gpus), group_name,
-                                           timeout_s)
+            url, names = servers.clients[0].url, servers.names
+            address = master_address or address_towards(url)
+            try:
+                self.group = WeightUpdateGroup(self.backend, address, master_port, 1 + sum(gpus), group_name,
+                                               timeout_s)
+            except dist.DistNetworkError as exc:  # the port is taken (another trainer's group?), or not this host's
+                raise WeightSyncError(
+                    f"{setting(names, 'master_port')}={master_port}: the weight-update group's store cannot listen "
+                    f"on {address}:{master_port} ({str(exc).rsplit('message: ', 1)[-1]}); choose another port, or "
+                    f"null for a free one.") from None
+            logger.info("weight-update group at %s:%d (%s; %s)", address, self.group.port,
+                        setting(names, "master_address") if master_address else
+                        f"this trainer's address on the route to {url}: set {setting(names, 'master_address')} to "
+                        "choose another", setting(names, "master_port") if master_port else
+                        f"a free port: {setting(names, 'master_port')} is null")
             self._join()
 
     def close(self) -> None:
@@ -118,8 +126,11 @@ class DistributedTransport(SGLangTransport):
             ranks = ", ".join(f"{c.url} as ranks {o}..{o + i.tp_size - 1}"
                               for c, o, i in zip(self.servers.clients, self.offsets, self.servers.infos))
             names = self.servers.names
+            waited = time.monotonic() - deadline + self.timeout_s  # a refused connection fails at once
+            when = (f"did not form within {self.timeout_s:.0f} s" if waited >= self.timeout_s else
+                    f"could not form ({waited:.1f} s)")
             raise WeightSyncError(
-                f"the weight-update group {name!r} did not form within {self.timeout_s:.0f} s: {'; '.join(problems)}. "
+                f"the weight-update group {name!r} {when}: {'; '.join(problems)}. "
                 f"The trainer is rank 0 of {group.world_size} and hosts the {group.store_keys(name)}; the servers "
                 f"join it ({ranks}) by connecting to {setting(names, 'master_address')}:"
                 f"{setting(names, 'master_port')}. Check that every server reaches that address and port, or "
@@ -176,7 +187,7 @@ class DistributedWeightSender(SGLangSender):
         model: the unwrapped policy (Hugging Face parameter names).
         urls: one SGLang server per engine replica.
         master_address / master_port: where rank 0 hosts the weight-update group (reachable by the servers);
-            None: rank 0's address on the route to the first server (said at start).
+            None: rank 0's address on the route to the first server, a free port (both said at start).
         backend: "nccl", "gloo", or "auto" (nccl with CUDA).
         bucket_mb: bytes per bucket; bounds the extra memory of the gather on every rank.
         load_format: "per_tensor" (one broadcast per tensor) or "flattened_bucket" (one uint8 broadcast per bucket).
@@ -197,7 +208,8 @@ class DistributedWeightSender(SGLangSender):
     """
 
     def __init__(self, accelerator, model, urls: list[str], *, master_address: str | None = None,
-                 master_port: int = 29600, backend: str = "auto", bucket_mb: float = 512, load_format: str = "per_tensor",
+                 master_port: int | None = None, backend: str = "auto", bucket_mb: float = 512,
+                 load_format: str = "per_tensor",
                  dtype: torch.dtype = torch.bfloat16, api_key: str | None = None, admin_api_key: str | None = None,
                  group_name: str = api.DEFAULT_GROUP, max_attempts: int = 2, verify_tensors: int = 2,
                  timeout_s: float = 600.0, pause_mode: str = "retract", memory_record: str | Path | None = None,

@@ -37,20 +37,23 @@ class WeightUpdateGroup:
 
     Args:
         backend: "nccl" (GPUs) or "gloo".
-        address / port: where the store listens; the servers connect to ``address:port``.
+        address / port: where the store listens; the servers connect to ``address:port`` (port None: a free
+            one, read back as ``self.port``).
         world_size: 1 + the GPUs of every server.
         prefix: the start of every group name (SGLang's default is "weight_update_group").
         timeout_s: how long a join or a collective may take.
     """
 
-    def __init__(self, backend: str, address: str, port: int, world_size: int, prefix: str, timeout_s: float) -> None:
+    def __init__(self, backend: str, address: str, port: int | None, world_size: int, prefix: str,
+                 timeout_s: float) -> None:
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"WeightUpdateGroup: backend={backend!r}: use 'nccl' (GPUs) or 'gloo' (CPU).")
-        self.backend, self.address, self.port, self.world_size = backend, address, port, world_size
+        self.backend, self.address, self.world_size = backend, address, world_size
         self.timeout = timedelta(seconds=timeout_s)
         # The store is not built through rendezvous("tcp://..."): under torchrun (TORCHELASTIC_USE_AGENT_STORE)
         # that would join the launcher's store instead of hosting one.
-        self.store = dist.TCPStore(address, port, is_master=True, timeout=self.timeout, wait_for_workers=False)
+        self.store = dist.TCPStore(address, port or 0, is_master=True, timeout=self.timeout, wait_for_workers=False)
+        self.port = self.store.port
         self._prefix, self._token, self._made = prefix, uuid.uuid4().hex[:8], 0
         self.group: dist.ProcessGroup | None = None
         self.name: str | None = None

@@ -141,8 +141,9 @@ class WeightPusher(WeightSender):
                     self.pushed = version
                     self.last_sync_s = time.perf_counter() - start
                     return
+            error = error or "it failed on another rank, whose line says why"
             logger.warning("weight push %d failed (%s); engine weights are unknown, pushing everything again",
-                           attempt, error or "on another rank")
+                           attempt, error)
         raise WeightSyncError(f"weights could not be pushed after {self.max_attempts} attempts: {error}; the "
                               "engines hold unknown weights. Restart them, then resume from the last checkpoint.")
 

@@ -2,6 +2,7 @@
 SGLang's own code and source (its request classes, auth decision, group join and session guards), for the oldest
 and newest supported release."""
 import hashlib
+import logging
 
 import pytest
 import torch
@@ -220,6 +221,35 @@ def test_the_group_join_failure_names_the_store_and_the_servers(accelerator, mod
     assert "the weight-update group 'weight_update_group-" in message and "did not form within 2 s" in message
     assert f"TCP store 127.0.0.1:{port}, keys under 'weight_update_group-" in message
     assert f"{url} as ranks 1..1" in message and "connecting to master_address:master_port" in message
+
+
+def test_the_groups_port_is_a_free_one_unless_set_and_a_taken_one_is_one_line(accelerator, model_dir, servers,
+                                                                                caplog):
+    """Issue 74 items 18 and 8: a fixed port (29600) made two trainers on one host collide; a join refused at once
+    read "did not form within 2 s"."""
+    import socket
+
+    from grpo_accel.sglang.sender import WeightSyncError
+
+    url = servers.get(model_dir)
+    with caplog.at_level(logging.INFO):
+        sender = distributed_sender(accelerator, torch.nn.Linear(2, 2), url, master_port=None)
+    port = sender.transport.group.port
+    assert (f"weight-update group at 127.0.0.1:{port} (this trainer's address on the route to {url}: set "
+            "master_address to choose another; a free port: master_port is null)") in caplog.text
+    sender.close()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        with pytest.raises(WeightSyncError) as info:
+            distributed_sender(accelerator, torch.nn.Linear(2, 2), url, master_port=busy)
+    assert str(info.value) == (f"master_port={busy}: the weight-update group's store cannot listen on "
+                               f"127.0.0.1:{busy} (address already in use); choose another port, or null for a free "
+                               "one.")
+    fail_next(url, "/init_weights_update_group", "http_500", times=5)  # the server fails the join at once
+    with pytest.raises(WeightSyncError, match=r"the weight-update group '[^']+' could not form \(\d\.\d s\): "):
+        distributed_sender(accelerator, torch.nn.Linear(2, 2), url, timeout_s=20)
 
 
 @pytest.mark.parametrize("flag", ["--dp-size", "--pp-size"])
