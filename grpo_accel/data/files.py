@@ -1,4 +1,4 @@
-"""A config's dataset: rows from a JSONL/JSON or Parquet file, a folder written by ``datasets``' ``save_to_disk``
+"""A config's dataset: rows from a JSONL/JSON, CSV or Parquet file, a folder written by ``datasets``' ``save_to_disk``
 (one split of it) or a Hugging Face dataset id, columns renamed, every row checked; each error names the
 ``data.*`` setting, the file or row and the fix."""
 from __future__ import annotations
@@ -58,19 +58,57 @@ def _read_file(path: Path, where: str) -> list[dict]:
                 except json.JSONDecodeError as exc:
                     raise DataError(f"{where} line {lineno} is not JSON ({exc}); one object per line.") from exc
         return rows
-    if path.suffix in (".parquet", ".csv"):  # datasets' builders (csv: a header line, numbers read as numbers)
+    if path.suffix == ".csv":
+        return _read_csv(path, where)
+    if path.suffix == ".parquet":
         datasets = _datasets(where)
-        read = datasets.Dataset.from_parquet if path.suffix == ".parquet" else datasets.Dataset.from_csv
         try:
-            rows = list(read(str(path)))
+            rows = list(datasets.Dataset.from_parquet(str(path)))
         except (ValueError, OSError) as exc:  # e.g. a CSV with a header and no rows: "corresponds to no data"
             raise DataError(f"{where}: datasets could not read it ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-                            f"); a {path.suffix} file needs a header and at least one row.") from exc
+                            "); a .parquet file needs at least one row.") from exc
         if not rows:
             raise DataError(f"{where} holds no rows; give a file with at least one.")
         return rows
     raise DataError(f"{where}: unknown file type {path.suffix!r}; use .jsonl, .json, .csv or .parquet, or a dataset "
                     "folder.")
+
+
+def _read_csv(path: Path, where: str) -> list[dict]:
+    """A CSV file's rows under its header line, read without ``datasets`` (it is plain text); a column whose every
+    value is a number is read as numbers, as ``datasets`` reads it; an empty cell is None."""
+    import csv
+
+    with path.open(newline="") as handle:
+        reader = csv.reader(handle, strict=True)
+        try:
+            lines = [(reader.line_num, cells) for cells in reader if cells]
+        except csv.Error as exc:
+            raise DataError(f"{where} line {reader.line_num} is not CSV ({exc}); quote cells that hold commas or "
+                            "newlines.") from exc
+    if len(lines) < 2:
+        raise DataError(f"{where} holds {'no header' if not lines else 'a header and no rows'}; a .csv file needs a "
+                        "header line (the column names) and at least one row.")
+    (_, header), body = lines[0], lines[1:]
+    if len(set(header)) != len(header) or not all(name.strip() for name in header):
+        raise DataError(f"{where} line 1, the header {header}, has an empty or repeated column name; name each "
+                        "column once.")
+    for lineno, cells in body:
+        if len(cells) != len(header):
+            raise DataError(f"{where} line {lineno} has {len(cells)} cells, the header {len(header)}; quote cells "
+                            "that hold commas, one row per line.")
+    columns = [_typed([cells[i] for _, cells in body]) for i in range(len(header))]
+    return [dict(zip(header, values)) for values in zip(*columns)]
+
+
+def _typed(cells: list[str]) -> list:
+    """One CSV column: ints, or floats, where every non-empty cell is one; else the text. Empty cells: None."""
+    for kind in (int, float):
+        try:
+            return [kind(c) if c.strip() else None for c in cells]
+        except ValueError:
+            continue
+    return [c if c != "" else None for c in cells]
 
 
 def _is_saved_dataset(folder: Path) -> bool:
@@ -117,8 +155,9 @@ def _read_hub(path: str, name: str | None, split: str, where: str) -> list[dict]
 def _datasets(where: str):
     try:
         import datasets  # lazy: only for Parquet files, saved folders and hub datasets
-    except ImportError as exc:
-        raise ImportError(f"{where} needs the `datasets` package: pip install 'grpo_accel[data]'.") from exc
+    except ImportError:
+        raise DataError(f"{where} needs the `datasets` package (Parquet files, saved dataset folders and hub ids): "
+                        "pip install 'grpo_accel[data]', or give a .jsonl or .csv file.") from None
     return datasets
 
 

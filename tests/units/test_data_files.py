@@ -2,6 +2,7 @@
 than rollout.max_prompt_tokens refused (the default), dropped (verl's filter) or cut to their last tokens."""
 import json
 import logging
+import sys
 
 import pytest
 
@@ -28,6 +29,31 @@ def test_a_json_array_and_a_csv_file_read_as_their_rows(tmp_path):
     bad.write_text('[{"prompt": "1+1="}, "2"]')
     with pytest.raises(DataError, match="holds a JSON array whose items are not all objects"):
         load_rows(bad)
+
+
+def test_a_csv_file_is_read_without_datasets_as_datasets_reads_it_and_checked(tmp_path, monkeypatch):
+    """Issue 74 item 3: a CSV needed the `datasets` extra (a traceback without it), and a malformed one was never
+    checked. Read with the standard library: the rows datasets reads (numbers as numbers, empty cells None)."""
+    import datasets
+
+    table = tmp_path / "rows.csv"
+    table.write_text('prompt,answer,score,note\n"1,2+3=",5,0.5,\n2+2=,4,1,"said ""four"""\n')
+    expected = list(datasets.Dataset.from_csv(str(table)))
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as installed without the data extra
+    assert load_rows(table) == expected == [{"prompt": "1,2+3=", "answer": 5, "score": 0.5, "note": None},
+                                            {"prompt": "2+2=", "answer": 4, "score": 1.0, "note": 'said "four"'}]
+    for text, said in [("", "holds no header"), ("prompt,answer\n", "holds a header and no rows"),
+                       ("prompt,answer\n1+1=,2,3\n", "line 2 has 3 cells, the header 2; quote cells"),
+                       ("prompt,prompt\n1+1=,2\n", "has an empty or repeated column name"),
+                       ('prompt,answer\n"1+1=,2\n', "line 2 is not CSV")]:
+        table.write_text(text)
+        with pytest.raises(DataError, match=rf"data.path='{table}'.* {said}"):
+            load_rows(table)
+    datasets_only = tmp_path / "rows.parquet"
+    datasets_only.write_bytes(b"PAR1")
+    with pytest.raises(DataError, match=r"needs the `datasets` package .*pip install 'grpo_accel\[data\]', or give a "
+                                        r"\.jsonl or \.csv file"):
+        load_rows(datasets_only)
 
 
 @pytest.fixture
