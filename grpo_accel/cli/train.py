@@ -52,9 +52,6 @@ def quiet_console() -> None:
         warnings.showwarning = shown_once(warnings.showwarning)
     for name in ("accelerate.accelerator", "accelerate.checkpointing"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    # Every checkpoint of a tied-embedding model said "Removed shared tensor {'policy.lm_head.weight'} while
-    # saving": the tie is expected, and the weight comes back tied.
-    logging.getLogger("accelerate.utils.other").addFilter(lambda r: "Removed shared tensor" not in r.getMessage())
 
 
 def shown_once(showwarning):

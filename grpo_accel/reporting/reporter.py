@@ -54,6 +54,7 @@ class Reporter:
         self.timings: dict[str, float] = defaultdict(float)  # seconds per phase of this iteration (cleared after
         # each, logged or not: a log shows its own iteration's phases)
         self.last_log_frames: float = -math.inf if settings.log_first else 0.0
+        self._unlogged: tuple | None = None  # log_iteration's arguments of an iteration between two logs
         self.bar = None  # the progress bar while training (on a terminal)
         self._lines: tuple[int, float] | None = None  # without one: (total frames, time of the next line)
 
@@ -117,8 +118,9 @@ class Reporter:
         s = self.settings
         if frames - self.last_log_frames < s.log_interval and not final:
             self.timings.clear()
+            self._unlogged = (rollout, stats, counters, step, True, log_hook, hook_seconds)
             return
-        self.last_log_frames = frames
+        self.last_log_frames, self._unlogged = frames, None
         scalars = {f"train/{name}": float(value) for name, value in counters.items()
                    if name != "optim_steps" or s.auto_log_optim_steps}
         scalars.update({f"train/{k}": v for k, v in mean_over_processes(self.accelerator, stats).items()})
@@ -135,6 +137,12 @@ class Reporter:
         self.history.append(scalars)
         self.log_scalars(scalars, step)
         self._log_samples(rollout, step)
+
+    def log_unlogged(self) -> None:
+        """Log the last iteration if it fell between two logs: training stopped early (a signal, request_stop), and
+        the batch it stopped at logs as the last batch does. Collective: every process calls it."""
+        if self._unlogged is not None:
+            self.log_iteration(*self._unlogged)
 
     def log_scalars(self, scalars: dict[str, float], step: int) -> None:
         if self.logger is not None and self.accelerator.is_main_process:

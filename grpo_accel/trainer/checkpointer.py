@@ -60,7 +60,7 @@ class RunCheckpointer:
         acc.wait_for_everyone()
         failed = None
         try:
-            with frozen_weights_left_out(acc):
+            with frozen_weights_left_out(acc), tie_left_unsaid():
                 acc.save_state(str(staging), **_save_kwargs(acc))
             torch.save(rank_state, rank_state_file(staging, acc.process_index))
             if acc.is_main_process:
@@ -263,6 +263,19 @@ def _save_kwargs(acc) -> dict:
 
 def _load_kwargs(acc) -> dict:
     return {"load_module_strict": False} if uses_deepspeed(acc) else {"strict": False}
+
+
+@contextlib.contextmanager
+def tie_left_unsaid():
+    """Around ``save_state``: Accelerate's "Removed shared tensor {'policy.lm_head.weight'} while saving", said at
+    every checkpoint of a tied-embedding model, is left out (the tie is expected; the weight comes back tied)."""
+    said = logging.getLogger("accelerate.utils.other")
+    tie = lambda record: "Removed shared tensor" not in record.getMessage()  # noqa: E731
+    said.addFilter(tie)
+    try:
+        yield
+    finally:
+        said.removeFilter(tie)
 
 
 @contextlib.contextmanager

@@ -149,7 +149,8 @@ class GRPOTrainer:
                     self._iteration(rollout)
                     if self._should_stop():
                         break
-                if self.stop_reason is not None:
+                if self.stop_reason is not None:  # the batch it stopped at logs, as the last batch does
+                    self.reporter.log_unlogged()
                     logger.warning("training stopped early after %d frames: %s", self.frames, self.stop_reason)
                 if self._saved_at != self.iterations and self.iterations > 0:
                     self.save_checkpoint(self.stop_reason or "end of training")

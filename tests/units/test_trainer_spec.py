@@ -350,3 +350,24 @@ def test_an_async_checkpoint_holds_the_data_position_of_the_batches_trained_on(t
     for step in range(1, 7):
         saved = torch.load(rank_state_file(tmp_path / "ckpt" / f"step_{step:08d}", 0), weights_only=True)["collector"]
         assert saved["batches"] == step and saved["epoch"] * rows + saved["position"] == 4 * step, (step, saved)
+
+
+def test_a_stop_from_a_hook_logs_its_batch_and_a_tied_models_checkpoint_says_nothing_of_the_tie(tokenizer,
+                                                                                             tmp_path, caplog):
+    """Issue 74 item 12, from the Python API: request_stop in post_iteration left the batch it stopped at unlogged
+    (the last batch always logs), and every checkpoint of a tied-embedding model said Accelerate's "Removed shared
+    tensor {'policy.lm_head.weight'} ... check by verifying that you don't receive any warning while reloading"."""
+    import logging
+
+    from grpo_accel.checkpoint import Checkpoint
+    from grpo_accel.tasks.tiny import build_tiny_qwen2
+
+    trainer = make_trainer(tokenizer, build_tiny_qwen2(tokenizer, seed=0), total_frames=16 * 4, log_interval=10**6,
+                           log_first=False, checkpoint=Checkpoint(tmp_path / "ckpt"))
+    trainer.register_op("post_iteration", lambda t: t.iterations == 2 and t.request_stop("enough"))
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    assert [h["train/frames"] for h in trainer.history] == [32], "the batch it stopped at logs"
+    assert "training stopped early after 32 frames: enough" in caplog.text
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step_00000002"]
+    assert "Removed shared tensor" not in caplog.text
