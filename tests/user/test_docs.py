@@ -62,3 +62,21 @@ def test_every_code_line_of_the_docs_fits_the_page():
             elif inside and len(line) > 100:
                 wide.append(f"{page.name}:{number} ({len(line)})")
     assert wide == []
+
+
+def test_the_api_pages_trainer_by_hand_runs_as_written(tmp_path, monkeypatch, capsys):
+    """Issue 74 item 13: api.md named parts without their imports, nor EmbeddedEngine's required max_new_tokens,
+    ReplayBuffer's pad id, save_trainer_interval's checkpoint, or which frames a post_collect hook sees."""
+    from trainer_utils import reset_accelerate_state
+
+    page = (ROOT / "docs" / "pages" / "api.md").read_text()
+    (code,) = re.findall(r"```python\n(.*?)```", page, re.S)
+    monkeypatch.chdir(tmp_path)
+    try:
+        exec(compile(code, "api.md", "exec"), {"__name__": "api_md"})  # noqa: S102 - the page's own example
+    finally:
+        reset_accelerate_state()
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("batch ")]
+    assert said == [f"batch {i}: 16 completions, {16 * i} frames" for i in range(1, 5)]
+    assert sorted(p.name for p in (tmp_path / "runs" / "by_hand").iterdir()) == ["step_00000002", "step_00000004"]
+
