@@ -6,6 +6,8 @@
     grpo-accel reward-server --reward NAME [--config F] [--port P] [key=value ...]
     grpo-accel report RUN_DIR [RUN_DIR ...] [--out DIR]
     grpo-accel configs
+    grpo-accel env
+    grpo-accel --version
 
 ``train`` without ``--accelerate-config`` runs one process here; with one (a shipped name such as ``zero3``, or a
 file) it hands the run to ``accelerate launch`` with that config, which starts the processes. Each subcommand's
@@ -25,14 +27,22 @@ SUBCOMMANDS = {
     "reward-server": "serve one reward of a config over HTTP",
     "report": "draw runs' curves (PNG) and a summary (Markdown) from their event files",
     "configs": "list the shipped accelerate configs and recipes by name",
+    "env": "the versions and devices a bug report needs (torch, accelerate, deepspeed, transformers, CUDA, GPUs)",
 }
 
 
 def main(argv: list[str] | None = None) -> int:
+    from grpo_accel.cli.text import command_parser
+
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        from grpo_accel import __version__
+
+        print(f"grpo-accel {__version__}")
+        return 0
     if not argv or argv[0] not in SUBCOMMANDS:
-        parser = argparse.ArgumentParser(prog="grpo-accel", description=__doc__,
-                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser = command_parser(__doc__, prog="grpo-accel")
+        parser.add_argument("--version", "-V", action="store_true", help="print the version and exit")
         parser.add_argument("command", choices=sorted(SUBCOMMANDS), help="; ".join(f"{k}: {v}" for k, v in
                                                                                 SUBCOMMANDS.items()))
         parser.parse_args(argv[:1])  # --help, or an unknown command: argparse says so and exits
@@ -40,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     sys.argv[0] = f"grpo-accel {command}"  # each subcommand's usage line
     if command == "train":
-        return train(rest)
+        return launch_train(rest)  # not named train: the submodule cli.train, once imported, is that attribute
     if command == "export":
         from grpo_accel.cli.export import main as export
 
@@ -57,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         from grpo_accel.cli.report import main as report
 
         return report(rest)
+    if command == "env":
+        from grpo_accel.cli.text import environment
+
+        print("\n".join(environment()))
+        return 0
     from grpo_accel import shipped
 
     for kind in ("accelerate", "recipe"):
@@ -64,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def train(argv: list[str]) -> int:
+def launch_train(argv: list[str]) -> int:
     """``grpo-accel train``: in this process, or under ``accelerate launch -m grpo_accel.cli.train`` when an
     accelerate config is named (this process becomes the launcher)."""
     parser = argparse.ArgumentParser(add_help=False)

@@ -2,10 +2,10 @@
 :func:`grpo_accel.run.export.export_checkpoint`; a bad checkpoint or folder is one line and exit code 2."""
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 
+from grpo_accel.cli.text import command_parser
 from grpo_accel.checkpoint import CheckpointError
 from grpo_accel.run import export as library
 from grpo_accel.run.export import export_checkpoint
@@ -13,7 +13,7 @@ from grpo_accel.rules import DTYPES
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=library.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(library.__doc__)
     parser.add_argument("checkpoint", help="a checkpoint folder (output_dir/checkpoints/step_*), or a run's "
                                            "output_dir: its newest complete checkpoint")
     parser.add_argument("out_dir", help="where to write the Hugging Face model folder")

@@ -2,15 +2,15 @@
 event files, through :func:`grpo_accel.reporting.report.report`; a missing folder or matplotlib is one line."""
 from __future__ import annotations
 
-import argparse
 import logging
 
+from grpo_accel.cli.text import command_parser
 from grpo_accel.reporting import report as library
 from grpo_accel.reporting.report import ReportError, report
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=library.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(library.__doc__)
     parser.add_argument("runs", nargs="+", help="run folders (each a run's output_dir)")
     parser.add_argument("--out", help="where to write report.png and report.md (default: the first run's folder)")
     args = parser.parse_args(argv)

@@ -12,11 +12,12 @@ function is a 500 with its message; a body that is not that protocol a 400.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import sys
 from pathlib import Path
+
+from grpo_accel.cli.text import command_parser
 
 sys.path.insert(1, str(Path.cwd()))  # reward functions named `module:function` may live where it starts
 
@@ -77,7 +78,7 @@ def loopback(host: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__doc__)
     parser.add_argument("--config", help="the training config whose rewards entry to serve (default: the built-in)")
     parser.add_argument("--reward", required=True, help="the name of that entry, e.g. answer_match or mymod:fn")
     parser.add_argument("--host", default="127.0.0.1")

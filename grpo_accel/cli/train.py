@@ -14,7 +14,6 @@ Outputs in ``output_dir``: config.yaml (resolved), tensorboard/ (event files), c
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -28,6 +27,7 @@ sys.path.insert(1, str(Path.cwd()))  # reward functions named `module:function` 
 
 import yaml
 
+from grpo_accel.cli.text import command_parser, plain
 from grpo_accel.distributed import first_process
 from grpo_accel.errors import UserError
 from grpo_accel.config.loading import load_config
@@ -92,8 +92,7 @@ def dashed_settings(argv: list[str], options: tuple[str, ...] = ("--config",)) -
 def main(argv: list[str] | None = None) -> int:
     from grpo_accel.config.reference import help_text
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=help_text())
+    parser = command_parser(__doc__, epilog=plain(help_text()))
     parser.add_argument("--config", help="YAML config file, or a shipped recipe's name, e.g. dapo (default: the "
                                          "built-in embedded run)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_frames=256 (or --key value)")

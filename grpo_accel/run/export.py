@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from grpo_accel.checkpoint import MARKER, CheckpointError
@@ -27,6 +28,7 @@ def checkpoint_state_dict(checkpoint: Path) -> dict:
     """The full (consolidated) state dict of the prepared module in ``checkpoint``, on CPU, float32."""
     ds_dir = checkpoint / "pytorch_model"
     if ds_dir.is_dir():  # DeepSpeed: consolidate every rank's shards (stages 0-3)
+        logger.info("consolidating %s's DeepSpeed shards into one state dict", checkpoint)
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="pytorch_model")
@@ -63,7 +65,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
 
     checkpoint, out_dir = newest_checkpoint(Path(checkpoint)), Path(out_dir)
     check_target(out_dir, replace)
+    start = time.perf_counter()
     model = load_policy(checkpoint)
+    logger.info("read the policy (%.1fM parameters) in %.1f s; writing %s", sum(p.numel() for p in
+                model.parameters()) / 1e6, time.perf_counter() - start, out_dir)
     if adapter and not is_lora(model):
         raise CheckpointError(f"checkpoint {checkpoint}: --adapter needs a LoRA run (model.lora.r > 0); this one "
                               "trained every weight: export it without --adapter.")
@@ -77,7 +82,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
             model.save_pretrained(staging, safe_serialization=True)
             if (checkpoint / "hf" / "tokenizer_config.json").is_file():
                 AutoTokenizer.from_pretrained(checkpoint / "hf").save_pretrained(staging)
-    logger.info("exported %s%s -> %s", "the LoRA adapter of " if adapter else "", checkpoint, out_dir)
+    logger.info("exported %s%s -> %s (%.1f s)", "the LoRA adapter of " if adapter else "", checkpoint, out_dir,
+                time.perf_counter() - start)
     return out_dir
 
 

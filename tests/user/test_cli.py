@@ -99,6 +99,34 @@ def test_settings_written_as_options_are_overrides():
         train_in_process(["--learning_rate", "1e-6"])
 
 
+def test_version_env_and_help_text_are_what_a_terminal_and_a_bug_report_need(capsys, monkeypatch, tmp_path):
+    """Issue 74 item 16: no --version nor env; --help showed reST markup (``x``, :func:`x`); models pip-installed
+    gguf at run time."""
+    import accelerate
+    import torch
+
+    from grpo_accel import __version__
+    from grpo_accel.cli import main, models
+
+    assert main(["--version"]) == 0 and capsys.readouterr().out == f"grpo-accel {__version__}\n"
+    assert main(["env"]) == 0
+    said = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    assert said["grpo_accel"] == __version__ and said["torch"] == torch.__version__
+    assert said["accelerate"] == accelerate.__version__ and said["gpus"] == str(torch.cuda.device_count())
+    assert {"deepspeed", "transformers", "python", "platform", "cuda", "sglang", "vllm"} <= set(said)
+    for command in (["train"], ["export"], ["models"], ["report"], ["reward-server"], []):
+        with pytest.raises(SystemExit):
+            main([*command, "--help"])
+        shown = capsys.readouterr().out
+        assert "usage:" in shown and "``" not in shown and not re.search(r":\w+:`", shown), command
+    monkeypatch.setitem(sys.modules, "gguf", None)  # installed without the models extra
+    with pytest.raises(SystemExit) as exit_:
+        models.main(["smollm2-135m", str(tmp_path / "smollm2")])
+    assert exit_.value.code == 2 and capsys.readouterr().err == (
+        "error: grpo-accel models reads GGUF files with the gguf package, which is not installed here: pip install "
+        "'grpo_accel[models]'.\n")
+
+
 def test_report_draws_the_event_files_points(tmp_path):
     out = tmp_path / "run"
     assert train_in_process([f"output_dir={out}", "trainer.total_frames=384", "trainer.progress_bar=false",
@@ -158,6 +186,9 @@ def test_export_takes_a_run_folder_and_says_which_checkpoint(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"exporting {run / 'checkpoints' / 'step_00000002'}, the newest complete checkpoint of {run}" in proc.stderr
     assert "Setting accelerator to CPU" not in proc.stdout + proc.stderr
+    assert re.search(r"read the policy \(0\.\dM parameters\) in \d+\.\d s; writing ", proc.stderr)  # item 16: progress
+    assert re.search(rf"exported {run / 'checkpoints' / 'step_00000002'} -> {tmp_path / 'model'} \(\d+\.\d s\)",
+                     proc.stderr)
     assert (tmp_path / "model" / "config.json").is_file()
 
 

@@ -24,6 +24,8 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path):
 
 
 def test_help_prints_every_key_with_its_type_default_and_meaning(capsys):
+    """As plain text: the schema's reST markup (``x``, :func:`x`) left out."""
+    from grpo_accel.cli.text import plain
     from grpo_accel.cli.train import main
     from grpo_accel.config.reference import keys
 
@@ -31,7 +33,7 @@ def test_help_prints_every_key_with_its_type_default_and_meaning(capsys):
         main(["--help"])
     text = re.sub(r"\s+", " ", capsys.readouterr().out)
     for key in keys():
-        assert f"{key.name}={key.default} ({key.type}) {' '.join(key.meaning.split())}" in text, key.name
+        assert f"{key.name}={key.default} ({key.type}) {' '.join(plain(key.meaning).split())}" in text, key.name
 
 
 def test_the_readmes_links_into_the_repository_reach_a_file_and_heading():
