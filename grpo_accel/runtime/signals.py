@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Callable
 
 
@@ -18,21 +19,36 @@ def exit_skipping_teardown(code: int) -> None:
     os._exit(code)
 
 
+RELAYED_WITHIN_S = 1.0
+"""A second signal this soon after the first is the same stop, relayed: a launcher forwards the signal it got to
+the trainer, which got it too when the whole group was signalled (Ctrl-C, a scheduler's SIGTERM to every process
+of a job): Accelerate's one-process launcher (1.16 and later) sends SIGTERM, torch's elastic agent the signal."""
+
+
 @contextlib.contextmanager
 def stop_on_signals(request_stop: Callable[[str], None]):
-    """Inside the block, the first SIGTERM/SIGINT calls ``request_stop(reason)``; a second exits the process
-    at once with code 128 + signal. Outside the main thread it does nothing (signals go to the main thread)."""
+    """Inside the block, the first SIGTERM/SIGINT calls ``request_stop(reason)``; a second, unless it comes within
+    ``RELAYED_WITHIN_S`` of the first, exits the process at once with code 128 + signal. Outside the main thread it
+    does nothing (signals go to the main thread)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    received = []
+    received: list[float] = []
+    ends_after = launcher_kills_after()
 
     def handler(signum, _frame):
-        received.append(signum)
-        name = signal.Signals(signum).name
+        name, now = signal.Signals(signum).name, time.monotonic()
+        if received and now - received[0] < RELAYED_WITHIN_S:
+            return  # the launcher relaying the stop already asked for
+        received.append(now)
         if len(received) > 1:
             os.write(2, f"second {name}: exiting without a checkpoint\n".encode())
             os._exit(128 + signum)
+        if ends_after is not None:  # written, not logged: a handler must not wait for the logging lock
+            os.write(2, f"received {name}: the launcher (Accelerate {ends_after[1]}) ends this process "
+                        f"{ends_after[0]:.0f} s after it relays a signal: the stop saves a checkpoint if this batch "
+                        "ends by then, else a resume starts from the last complete one (checkpoints are never "
+                        "half-written)\n".encode())
         request_stop(f"received {name}")
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -41,6 +57,23 @@ def stop_on_signals(request_stop: Callable[[str], None]):
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def launcher_kills_after() -> tuple[float, str] | None:
+    """(seconds, Accelerate's version) when this process is the trainer of Accelerate's one-process launcher of a
+    release that SIGKILLs it that long after relaying a signal (1.16's ``_terminate_process_tree``: 5 s); else None."""
+    import importlib.metadata
+
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # several processes: torch's agent started it (it waits 30 s)
+        return None
+    try:
+        parent = open(f"/proc/{os.getppid()}/cmdline", "rb").read().split(b"\0")
+        version = importlib.metadata.version("accelerate")
+    except (OSError, importlib.metadata.PackageNotFoundError):
+        return None
+    launched = any(part.endswith((b"accelerate", b"accelerate.commands.launch")) for part in parent)
+    major, minor = (int(x) for x in version.split(".")[:2])
+    return (5.0, version) if launched and (major, minor) >= (1, 16) else None
 
 
 @contextlib.contextmanager
