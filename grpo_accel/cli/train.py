@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = command_parser(__doc__, epilog=plain(help_text()))
     parser.add_argument("--config", help="YAML config file, or a shipped recipe's name, e.g. dapo (default: the "
                                          "built-in embedded run)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_frames=256 (or --key value)")
+    parser.add_argument("overrides", nargs="*",
+                        help="key=value overrides, e.g. trainer.total_frames=256 (or --key value)")
     args = parser.parse_args(dashed_settings(sys.argv[1:] if argv is None else argv))
     quiet_console()
     from grpo_accel.runtime import start_process

@@ -51,14 +51,16 @@ def clipped_surrogate(
     advantages: Tensor,  # [N]
     eps_low: float,
     eps_high: float,
-) -> tuple[Tensor, Tensor]:  # per-token loss [N, T], clipped-token indicator [N, T] (bool)
-    """PPO's pessimistic surrogate with separate lower/upper clip (DAPO's clip-higher)."""
+) -> tuple[Tensor, Tensor]:  # per-token loss [N, T], clipped side [N, T] (int8: -1 low, +1 high, 0 none)
+    """PPO's pessimistic surrogate with separate lower/upper clip (DAPO's clip-higher). A token is clipped low
+    when its ratio is below 1 - eps_low with a negative advantage, high when above 1 + eps_high with a positive one
+    (TRL's ``clip_ratio/low`` and ``/high``; either: its ``clip_ratio/region``)."""
     ratio = log_ratio.exp()
     adv = advantages[:, None]
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
-    is_clipped = ((ratio > 1.0 + eps_high) & (adv > 0)) | ((ratio < 1.0 - eps_low) & (adv < 0))
-    return -torch.minimum(unclipped, clipped), is_clipped
+    side = ((ratio > 1.0 + eps_high) & (adv > 0)).to(torch.int8) - ((ratio < 1.0 - eps_low) & (adv < 0)).to(torch.int8)
+    return -torch.minimum(unclipped, clipped), side
 
 
 def without_truncated(mask: Tensor, finish_reason: Tensor) -> Tensor:  # [N, T], [N] -> [N, T]
@@ -178,7 +180,9 @@ LOSS_OUTPUTS = {  # GRPOLoss.forward's keys, once: loss_* are summed into the ob
     "loss_objective": "the clipped surrogate, aggregated and normalised",
     "loss_kl": "kl_coef x the KL estimator to the reference (kl_coef > 0)",
     "kl_ref": "the KL estimator to the reference, mean over tokens (kl_coef > 0)",
-    "clip_fraction": "share of tokens whose ratio was clipped",
+    "clip_fraction": "share of tokens whose ratio was clipped (TRL's clip_ratio/region_mean)",
+    "clip_low_fraction": "share clipped below 1 - eps_low with a negative advantage (TRL's clip_ratio/low_mean)",
+    "clip_high_fraction": "share clipped above 1 + eps_high with a positive advantage (TRL's clip_ratio/high_mean)",
     "kl_approx": "KL(pi || pi_old), k3 form",
     "ESS": "effective sample size of the importance ratios",
     "entropy": "policy entropy, mean over tokens",
@@ -324,7 +328,7 @@ class GRPOLoss(LossModule):
         if old_logp is None:  # used once, on-policy: pi_old is the current policy itself
             old_logp = logp.detach()
         log_ratio = IMPORTANCE_LEVELS[self.importance_level](logp, old_logp, mask)
-        token_loss, is_clipped = clipped_surrogate(log_ratio, td[batch.ADVANTAGES], self.eps_low, self.eps_high)
+        token_loss, clip_side = clipped_surrogate(log_ratio, td[batch.ADVANTAGES], self.eps_low, self.eps_high)
         if self.tis_cap is not None:
             token_loss = token_loss * engine_is_weights(old_logp, td[batch.ENGINE_LOGPROBS], mask, self.tis_mode,
                                                         self.tis_cap, self.tis_min)
@@ -341,19 +345,21 @@ class GRPOLoss(LossModule):
             weighted = kl * log_ratio.exp() if self.kl_importance_weighted else kl
             out["loss_kl"] = self.kl_coef * aggregate(weighted, mask) / normalizer
             out["kl_ref"] = _masked_mean(kl.detach(), mask)
-        out.update(self._diagnostics(log_ratio.detach(), old_logp, logp.detach(), entropy, is_clipped, mask))
+        out.update(self._diagnostics(log_ratio.detach(), old_logp, logp.detach(), entropy, clip_side, mask))
         if batch.ENGINE_LOGPROBS in td.keys():  # sync: pi_old is the trainer's view of the weights that sampled
             out.update(engine_mismatch(old_logp, td[batch.ENGINE_LOGPROBS], mask))
         return TensorDict(out, batch_size=[])
 
     @staticmethod
-    def _diagnostics(log_ratio, old_logp, logp, entropy, is_clipped, mask) -> dict[str, Tensor]:
+    def _diagnostics(log_ratio, old_logp, logp, entropy, clip_side, mask) -> dict[str, Tensor]:
         real = mask.bool()
         ratio = log_ratio.exp()[real]
         if ratio.numel() == 0:  # no real token: report a neutral ratio
             ratio = log_ratio.new_ones(1)
         return {
-            "clip_fraction": _masked_mean(is_clipped.float(), mask),
+            "clip_fraction": _masked_mean((clip_side != 0).float(), mask),
+            "clip_low_fraction": _masked_mean((clip_side < 0).float(), mask),
+            "clip_high_fraction": _masked_mean((clip_side > 0).float(), mask),
             # KL(pi || pi_old) in the GRPO paper's k3 form: pi_old/pi - log(pi_old/pi) - 1, >= 0, 0 when on-policy
             "kl_approx": _masked_mean(kl_k3(logp, old_logp), mask),
             "ESS": effective_sample_size(log_ratio, mask),

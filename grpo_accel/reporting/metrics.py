@@ -40,8 +40,14 @@ def rollout_scalars(accelerator, rollout: TensorDict, with_rewards: bool = True)
         columns += list(episode_columns(rollout).unbind(1))
     every = accelerator.gather(torch.stack(columns, dim=1).to(accelerator.device))  # [n * processes, k]: one gather
     n = len(keys)
+    length, truncated = every[:, n], every[:, n + 1] > 0
+    terminated = length[~truncated]  # ended by a stop token (TRL's "terminated"), not cut by the length limit
     out = {
-        "train/completion_length_mean": float(every[:, n].mean()),
+        "train/completion_length_mean": float(length.mean()),
+        "train/completion_length_min": float(length.min()),
+        "train/completion_length_max": float(length.max()),
+        **{f"train/terminated_length_{name}": float(getattr(terminated, name)()) if terminated.numel() else 0.0
+           for name in ("mean", "min", "max")},
         "train/truncated_fraction": float(every[:, n + 1].mean()),
         "train/weight_version_mean": float(every[:, n + 2].mean()),
         "train/partial_rollout_fraction": float((every[:, n + 3] > 0).float().mean()),

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from tensordict import TensorDict
 
 from grpo_accel import batch
@@ -54,7 +55,8 @@ class Reporter:
         self.timings: dict[str, float] = defaultdict(float)  # seconds per phase of this iteration (cleared after
         # each, logged or not: a log shows its own iteration's phases)
         self.last_log_frames: float = -math.inf if settings.log_first else 0.0
-        self._unlogged: tuple | None = None  # log_iteration's arguments of an iteration between two logs
+        self._unlogged: tuple | None = None  # _write's arguments of an iteration between two logs
+        self.tokens_seen = 0.0  # prompt and completion tokens of every batch so far, all processes (TRL's num_tokens)
         self.bar = None  # the progress bar while training (on a terminal)
         self._lines: tuple[int, float] | None = None  # without one: (total frames, time of the next line)
 
@@ -115,12 +117,26 @@ class Reporter:
         ``counters``: ``train/*`` values of the trainer (frames first); ``stats``: the optimizer steps' means;
         ``log_hook(scalars)`` runs the users' log hooks, which may add scalars."""
         frames = counters["frames"]
-        s = self.settings
-        if frames - self.last_log_frames < s.log_interval and not final:
+        self._count_tokens(rollout)  # every batch, logged or not: collective
+        counters = {**counters, "num_tokens": self.tokens_seen}
+        if frames - self.last_log_frames < self.settings.log_interval and not final:
             self.timings.clear()
-            self._unlogged = (rollout, stats, counters, step, True, log_hook, hook_seconds)
+            self._unlogged = (rollout, stats, counters, step, log_hook, hook_seconds)
             return
-        self.last_log_frames, self._unlogged = frames, None
+        self._write(rollout, stats, counters, step, log_hook, hook_seconds)
+
+    def _count_tokens(self, rollout: TensorDict) -> None:
+        mine = 0.0 if not rollout.numel() else float(rollout[batch.PROMPT_MASK].sum()
+                                                     + rollout[batch.COMPLETION_MASK].sum())
+        if self.accelerator.num_processes > 1:
+            mine = float(self.accelerator.reduce(torch.tensor(mine, device=self.accelerator.device), "sum"))
+        self.tokens_seen += mine
+
+    def _write(self, rollout: TensorDict, stats: dict[str, float], counters: dict[str, float], step: int,
+               log_hook: Callable[[dict[str, float]], None], hook_seconds: dict[str, float]) -> None:
+        """One iteration's scalars, logged (collective: the rollout's statistics are over every process)."""
+        s = self.settings
+        self.last_log_frames, self._unlogged = counters["frames"], None
         scalars = {f"train/{name}": float(value) for name, value in counters.items()
                    if name != "optim_steps" or s.auto_log_optim_steps}
         scalars.update({f"train/{k}": v for k, v in mean_over_processes(self.accelerator, stats).items()})
@@ -142,7 +158,16 @@ class Reporter:
         """Log the last iteration if it fell between two logs: training stopped early (a signal, request_stop), and
         the batch it stopped at logs as the last batch does. Collective: every process calls it."""
         if self._unlogged is not None:
-            self.log_iteration(*self._unlogged)
+            self._write(*self._unlogged)
+
+    def state_dict(self) -> dict[str, float]:
+        """What a checkpoint keeps of the logging: where the last log was, the tokens seen (the same on every
+        process)."""
+        return {"last_log_frames": float(self.last_log_frames), "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_log_frames = state["last_log_frames"]
+        self.tokens_seen = state.get("tokens_seen", 0.0)  # checkpoints before num_tokens was logged: from 0
 
     def log_scalars(self, scalars: dict[str, float], step: int) -> None:
         if self.logger is not None and self.accelerator.is_main_process:

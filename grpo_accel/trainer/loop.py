@@ -189,14 +189,14 @@ class GRPOTrainer:
         """This process's trainer state: counters, replay buffer, collector position (async: after the batches
         trained on, so the batch being drawn is collected again at a resume), stepper (scaler)."""
         position = self._background and self._background.position  # None before a batch is handed out
-        return {**{name: getattr(self, name) for name in COUNTERS}, "last_log_frames": float(self.reporter.last_log_frames),
+        return {**{name: getattr(self, name) for name in COUNTERS}, **self.reporter.state_dict(),
                 "collector": position or self.collector.state_dict(), "replay_buffer": self.replay_buffer.state_dict(),
                 "stepper": self.stepper.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         for name in COUNTERS:
             setattr(self, name, state[name])
-        self.reporter.last_log_frames = state["last_log_frames"]
+        self.reporter.load_state_dict(state)
         self.collector.load_state_dict(state["collector"])
         self.replay_buffer.load_state_dict(state["replay_buffer"])
         self.stepper.load_state_dict(state["stepper"])

@@ -54,11 +54,11 @@ def test_one_group_statistic_two_documented_choices():
 def test_clipped_surrogate_by_hand():
     log_ratio = torch.tensor([[0.5, 1.0, 1.5], [0.5, 1.0, 1.5]]).log()
     adv = torch.tensor([1.0, -1.0])
-    loss, clipped = clipped_surrogate(log_ratio, adv, eps_low=0.2, eps_high=0.28)
+    loss, side = clipped_surrogate(log_ratio, adv, eps_low=0.2, eps_high=0.28)
     # A=+1: -min(r, clip(r, 0.8, 1.28)) = [-0.5, -1, -1.28]   (1.5 is clipped to 1.28)
     # A=-1: -min(-r, -clip(r)) = max(r, clip(r)) = [0.8, 1, 1.5]   (0.5 is clipped to 0.8)
     torch.testing.assert_close(loss, torch.tensor([[-0.5, -1.0, -1.28], [0.8, 1.0, 1.5]]))
-    assert clipped.tolist() == [[False, False, True], [True, False, False]]
+    assert side.tolist() == [[0, 0, 1], [-1, 0, 0]]  # +1: clipped high (A > 0), -1: clipped low (A < 0)
 
 
 def test_kl_estimators_by_hand():

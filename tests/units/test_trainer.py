@@ -1,5 +1,6 @@
 """GRPOTrainer in one process (the multi-process runs are in test_launch.py)."""
 import copy
+import re
 
 import pytest
 import torch
@@ -143,6 +144,15 @@ def test_default_logging_has_the_documented_tags(tokenizer, tiny_model):
 
     assert {f"train/{k}" for k in LOSS_OUTPUTS} <= keys  # the table is what the loss outputs
     assert {k for k in keys if k.startswith("time/")} == {"time/generate", "time/score"}  # the rest: log_timings
+    from launching import ROOT
+
+    page = (ROOT / "docs" / "pages" / "metrics.md").read_text()  # its table names every tag a run logs
+
+    def named(tag: str) -> bool:  # `train/x_mean`, `_min` names train/x_min
+        stem, _, suffix = tag.rpartition("_")
+        return f"`{tag}`" in page or (f"`{stem}_" in page and f"`_{suffix}`" in page)
+
+    assert [k for k in sorted(keys) if not named(re.sub(r"reward/\w+_(mean|std)$", r"reward/<fn>_\1", k))] == []
 
 
 def test_log_interval_and_frame_skip(tokenizer, tiny_model):
@@ -151,8 +161,36 @@ def test_log_interval_and_frame_skip(tokenizer, tiny_model):
     assert trainer.iterations == 4 and trainer.frames == 128
     assert [h["train/frames"] for h in trainer.history] == [32.0, 64.0, 96.0, 128.0]
     trainer = make_trainer(tokenizer, tiny_model, log_interval=48, total_frames=16 * 4)
+    tokens = []  # issue 74 item 15: num_tokens counts every batch's prompt and completion tokens, logged or not
+    trainer.register_op("post_collect", lambda t, rollout: tokens.append(float(
+        rollout["prompt_mask"].sum() + rollout["completion_mask"].sum())) or rollout)
     trainer.train()
     assert [h["train/frames"] for h in trainer.history] == [16.0, 64.0]  # the last batch always logs
+    assert [h["train/num_tokens"] for h in trainer.history] == [tokens[0], sum(tokens)] and len(tokens) == 4
+
+
+def test_trls_metrics_are_logged_with_their_meaning(tokenizer, tiny_model):
+    """Issue 74 item 15: TRL's split clip ratios (DAPO's asymmetric clip needs them) and completion lengths (min,
+    max, of the terminated ones), checked against the batch they describe."""
+    from grpo_accel import batch
+    from grpo_accel.loss.grpo import clipped_surrogate
+
+    rollouts = []
+    trainer = make_trainer(tokenizer, tiny_model, num_epochs=4, lr=3e-2, loss_kwargs={"clip_epsilon": (0.2, 0.28)})
+    trainer.register_op("post_collect", lambda t, rollout: rollouts.append(rollout.clone()) or rollout)
+    trainer.train()
+    for logged, rollout in zip(trainer.history, rollouts):
+        length = rollout[batch.COMPLETION_MASK].sum(-1).float()
+        ended = length[rollout[batch.FINISH_REASON] != batch.FINISH_LENGTH]
+        assert (logged["train/completion_length_min"], logged["train/completion_length_max"]) == (
+            length.min(), length.max())
+        assert logged["train/terminated_length_max"] == (ended.max() if ended.numel() else 0.0)
+        low, high = logged["train/clip_low_fraction"], logged["train/clip_high_fraction"]
+        assert logged["train/clip_fraction"] == pytest.approx(low + high)
+    assert any(h["train/clip_low_fraction"] > 0 for h in trainer.history)
+    assert any(h["train/clip_high_fraction"] > 0 for h in trainer.history)
+    side = clipped_surrogate(torch.tensor([[0.5, 1.5]]).log(), torch.tensor([-1.0]), 0.2, 0.28)[1]
+    assert side.tolist() == [[-1, 0]]  # low: ratio under 0.8 with A < 0; 1.5 with A < 0 is not clipped
 
 
 def test_bf16_mixed_precision_finishes_finite(tokenizer, tiny_model):
