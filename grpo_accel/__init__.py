@@ -18,9 +18,15 @@ _EXPORTS = {
     "TensorBoardLogger": "grpo_accel.reporting.event_files",
     "GRPOConfig": "grpo_accel.config.schema",
     "BatchLayout": "grpo_accel.layout",
+    "load_config": "grpo_accel.config.loading",
+    "build_trainer": "grpo_accel.recipe.build",
 }
 
 __all__ = list(_EXPORTS)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 
 def __getattr__(name: str):

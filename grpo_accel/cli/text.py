@@ -13,7 +13,8 @@ PACKAGES = ("torch", "accelerate", "deepspeed", "transformers", "tensordict", "d
 
 
 def plain(doc: str) -> str:
-    """``doc`` as a terminal shows it: ``:func:`x``` and ````x```` become ``x``."""
+    """``doc`` as a terminal shows it: a role (:func: and the like) and double backquotes left out, their text
+    kept."""
     return re.sub(r":\w+:`~?([^`]+)`", r"\1", doc or "").replace("``", "")
 
 

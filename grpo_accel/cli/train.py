@@ -99,13 +99,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="key=value overrides, e.g. trainer.total_frames=256 (or --key value)")
     args = parser.parse_args(dashed_settings(sys.argv[1:] if argv is None else argv))
     quiet_console()
-    from grpo_accel.runtime import start_process
     from grpo_accel.shipped import find
 
     cfg = load_config(args.config and find("recipe", args.config), args.overrides)
+    sys.argv[1:] = [redact_text(arg) for arg in sys.argv[1:]]  # trackers record the command line (W&B's args)
+    return train_config(cfg)
+
+
+def train_config(cfg: GRPOConfig) -> int:
+    """A run of ``cfg`` as the training command makes it (the Python face of ``grpo-accel train``, and what
+    :mod:`grpo_accel.trl` runs): the run folder's lock, the run, config.yaml and summary.json; 0 once done."""
+    from grpo_accel.runtime import start_process
+
     if cfg.trainer.log_level != "info":  # info: the console's own level (quiet_console)
         logging.getLogger("grpo_accel").setLevel(cfg.trainer.log_level.upper())
-    sys.argv[1:] = [redact_text(arg) for arg in sys.argv[1:]]  # trackers record the command line (W&B's args)
     start_process()  # threads per process, the allocator for the ZeRO stage
     start = time.perf_counter()
     lock = RunFolderLock(cfg.output_dir) if first_process() else None

@@ -123,6 +123,26 @@ HIGH_LR = 1e-4
 SHORT_COMPLETION = 8
 
 
+BUILT_IN_MODEL_SIZES = ("hidden_size", "num_layers", "num_heads", "intermediate_size")
+"""``model.*`` settings that size the built-in model: they do nothing to a named one (model.name_or_path)."""
+
+
+def unused_settings(cfg) -> list[str]:
+    """One line per setting of ``cfg`` (a GRPOConfig) given that does nothing beside the others: the built-in model's sizes on a named
+    model, ``hub.model_id`` without ``hub.push``."""
+    from grpo_accel.tasks.tiny import TinyModelSpec  # the built-in model's sizes: the settings' defaults
+
+    out = []
+    if cfg.model.name_or_path is not None:
+        out += [f"model.{key}={getattr(cfg.model, key)} has no effect: it sizes the built-in model, and "
+                f"model.name_or_path={cfg.model.name_or_path} names another (drop it)"
+                for key in BUILT_IN_MODEL_SIZES if getattr(cfg.model, key) != getattr(TinyModelSpec, key)]
+    if cfg.hub.model_id and not cfg.hub.push:
+        out.append(f"hub.model_id={cfg.hub.model_id} has no effect: hub.push is false (set hub.push=true to upload "
+                   "there)")
+    return out
+
+
 def unusual_settings(cfg, parameters: int) -> list[str]:
     """One warning line per setting of ``cfg`` that is unusual for a model of ``parameters`` parameters (a
     pretrained model above ``PRETRAINED_PARAMETERS``), each naming the key, its value and the usual range."""

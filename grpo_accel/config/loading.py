@@ -1,5 +1,5 @@
-"""A config from defaults, a YAML file and ``key=value`` overrides, checked key by key; and the comparison a resume
-makes with the settings its checkpoint saved.
+"""A config from defaults, a YAML file and ``key=value`` overrides, checked key by key (a resume's comparison with
+the settings its checkpoint saved: :mod:`grpo_accel.config.resume`).
 
 Example:
     >>> cfg = load_config("launch/configs/default.yaml", ["trainer.total_frames=256"])
@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
-import re
 import types
 import typing
 from pathlib import Path
@@ -21,7 +20,7 @@ import yaml
 
 from grpo_accel.config.checks import ConfigError, check_key
 from grpo_accel.config.rollout_schema import RewardConfig
-from grpo_accel.config.schema import BUILT_IN_MODEL_SIZES, GRPOConfig
+from grpo_accel.config.schema import GRPOConfig
 from grpo_accel.config.trl.fields import trl_hint
 
 log = logging.getLogger(__name__)
@@ -30,7 +29,6 @@ log = logging.getLogger(__name__)
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> GRPOConfig:
     """Defaults, then the YAML file at ``path`` (if any), then ``key=value`` overrides (values parsed as YAML)."""
     data: dict = {}
-    trl_sources: dict[str, str] = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -43,7 +41,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         for key, lines in repeated_keys(text).items():
             _say_once(f"config file {path}: {key} is given {len(lines)} times (lines {', '.join(map(str, lines))}); "
                       f"the last (line {lines[-1]}) is used. Keep one.")
-        data, trl_sources = from_trl(data, path)
+    return config_from_settings(data, path or "the command line", overrides)
+
+
+def config_from_settings(data: dict, source: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> GRPOConfig:
+    """A config from ``data``, a mapping of grpo_accel's settings, TRL's or both (:func:`from_trl`; ``source``
+    names where it came from in messages: a file, or ``GRPOConfig`` for :mod:`grpo_accel.trl`), then ``key=value``
+    overrides; every key checked."""
+    data, trl_sources = from_trl(data, source)
     given: dict[str, list[str]] = {}
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -176,7 +181,7 @@ def _unknown_in_trl_file(data: dict, names: set[str]) -> list[str]:
     return out
 
 
-def from_trl(data: dict, path: Path) -> tuple[dict, dict[str, str]]:
+def from_trl(data: dict, path: str | Path) -> tuple[dict, dict[str, str]]:
     """``data`` with its dotted keys nested; where it holds ``trl grpo`` keys (:mod:`grpo_accel.config.trl.translate`),
     their translation, said once (one line per setting), under grpo_accel's own settings of the same file. A
     setting that both give is an error naming the two. Also returns, per setting translated, the TRL key it came
@@ -339,67 +344,10 @@ def _describe(tp: Any) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
 
 
-# Settings a resumed run must share with its checkpoint (anything else, e.g. total_frames, may change).
-RESUME_MUST_MATCH = ("model.", "data.", "rollout.prompts_per_batch", "rollout.group_size", "rollout.max_new_tokens",
-                     "rollout.temperature", "loss.", "rewards")
-RESUME_MAY_DIFFER = ("model.gradient_checkpointing", "model.attn_implementation", "model.trust_remote_code",
-                     "rewards[].url", "rewards[].api_key", "rewards[].timeout_s", "rewards[].retries",
-                     "rewards[].processes")
-"""Settings under RESUME_MUST_MATCH that change how a run computes, not what it computes: recomputing activations
-(turned on after an out-of-memory), the attention kernels (the same attention, other rounding), running a model's
-own code, and where and how patiently a reward is asked for (a service that moved, a new key, a longer time limit,
-more retries, more worker processes). A reward entry's fields are ``rewards[].field``. Still refused: the weights'
-dtype and revision, LoRA, every loss, data and sampling setting, a reward's name, weight, kwargs, fallback and
-model."""
-
-
 # Keys an earlier release called otherwise: a config that uses one is told the new name; a checkpoint saved with
 # one still resumes.
 RENAMED = {"rollout.prompts_per_step": "rollout.prompts_per_batch", "weight_sync.verify_names": "weight_sync.verify_tensors",
            "weight_sync.layout": "weight_sync.load_format"}
-
-
-def resume_conflicts(saved: dict, current: dict) -> list[str]:
-    """``key: saved -> current`` for every RESUME_MUST_MATCH setting that differs (RESUME_MAY_DIFFER's aside)."""
-    return [change for key, change in _differences(saved, current) if _must_match(key)]
-
-
-RESUME_MAY_CHANGE_SILENTLY = ("checkpoint.resume",)  # how a resume is asked for: changed by every resume
-
-
-def changed_settings(saved: dict, current: dict) -> list[str]:
-    """``key: saved -> current`` for the settings a resume may change (e.g. ``optim.lr``) that it does change."""
-    return [change for key, change in _differences(saved, current)
-            if not _must_match(key) and key not in RESUME_MAY_CHANGE_SILENTLY]
-
-
-def _must_match(key: str) -> bool:
-    return key.startswith(RESUME_MUST_MATCH) and re.sub(r"\[\d+\]", "[]", key) not in RESUME_MAY_DIFFER
-
-
-def _differences(saved: dict, current: dict) -> list[tuple[str, str]]:
-    """(key, ``key: saved -> current``) for every setting whose value differs, in key order; each reward entry's
-    fields apart (``rewards[0].url``)."""
-    a = {RENAMED.get(k, k): v for k, v in flatten_keys(saved).items()}
-    # a setting added since the checkpoint was saved had its default there
-    a = {**{k: v for k, v in flatten_keys(to_dict(GRPOConfig())).items() if k != "rewards"}, **a}
-    if isinstance(a.get("rewards"), list):  # entries saved before a reward setting existed have its default
-        defaults = to_dict(RewardConfig())
-        a["rewards"] = [{**{k: v for k, v in defaults.items() if k not in ("name", "weight", "kwargs")}, **r}
-                        for r in a["rewards"]]
-    a, b = _entries(a), _entries(flatten_keys(current))
-    if a.get("model.name_or_path") is not None or b.get("model.name_or_path") is not None:
-        for key in BUILT_IN_MODEL_SIZES:  # nothing to a named model (a checkpoint saved before they were left out holds them)
-            a.pop(f"model.{key}", None), b.pop(f"model.{key}", None)
-    return [(k, f"{k}: {a.get(k)!r} -> {b.get(k)!r}") for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-
-
-def _entries(flat: dict) -> dict:
-    """``flat`` with the reward list as one key per entry and field: ``rewards[0].name``, ``rewards[0].url``, ..."""
-    out = {k: v for k, v in flat.items() if k != "rewards"}
-    for i, entry in enumerate(flat.get("rewards") or []):
-        out.update({f"rewards[{i}].{k}": v for k, v in entry.items()})
-    return out
 
 
 def flatten_keys(d: dict, prefix: str = "") -> dict:

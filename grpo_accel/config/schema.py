@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from grpo_accel.data.prompts import OVERLONG
 from grpo_accel.config.checks import check_choice, check_key, check_rules
-from grpo_accel.config.defaults import fill_model_defaults
+from grpo_accel.config.defaults import BUILT_IN_MODEL_SIZES, fill_model_defaults
 from grpo_accel.config.outputs import CheckpointConfig, EvalConfig, HubConfig
 from grpo_accel.config.rollout_schema import RewardConfig, RolloutConfig, WeightSyncConfig
 from grpo_accel.config.secrets import expand_secrets
@@ -97,10 +97,6 @@ class ModelConfig:
                   "(transformers' choice).")
 
 
-BUILT_IN_MODEL_SIZES = ("hidden_size", "num_layers", "num_heads", "intermediate_size")
-"""``model.*`` settings that size the built-in model: they do nothing to a named one (model.name_or_path)."""
-
-
 def without_unused(settings: dict) -> dict:
     """``settings`` (a config as nested dicts) less what does nothing: the built-in model's sizes when
     ``model.name_or_path`` names a model. What a run records and what a resume compares."""
@@ -108,20 +104,6 @@ def without_unused(settings: dict) -> dict:
     if model.get("name_or_path") is None:
         return settings
     return {**settings, "model": {k: v for k, v in model.items() if k not in BUILT_IN_MODEL_SIZES}}
-
-
-def unused_settings(cfg: GRPOConfig) -> list[str]:
-    """One line per setting given that does nothing beside the others: the built-in model's sizes on a named
-    model, ``hub.model_id`` without ``hub.push``."""
-    out, built_in = [], ModelConfig()
-    if cfg.model.name_or_path is not None:
-        out += [f"model.{key}={getattr(cfg.model, key)} has no effect: it sizes the built-in model, and "
-                f"model.name_or_path={cfg.model.name_or_path} names another (drop it)"
-                for key in BUILT_IN_MODEL_SIZES if getattr(cfg.model, key) != getattr(built_in, key)]
-    if cfg.hub.model_id and not cfg.hub.push:
-        out.append(f"hub.model_id={cfg.hub.model_id} has no effect: hub.push is false (set hub.push=true to upload "
-                   "there)")
-    return out
 
 
 @dataclass

@@ -18,7 +18,8 @@ from pathlib import Path
 from grpo_accel.distributed import first_process, full_numel
 from grpo_accel.layout import BatchLayout
 from grpo_accel.config.checks import ConfigError
-from grpo_accel.config.schema import GRPOConfig, unused_settings
+from grpo_accel.config.defaults import unused_settings
+from grpo_accel.config.schema import GRPOConfig
 from grpo_accel.recipe.engines import build_engine_and_sender
 from grpo_accel.recipe.wiring import COLLECTOR_NAMES, LAYOUT_NAMES, as_written, by_name
 

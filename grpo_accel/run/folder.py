@@ -19,7 +19,7 @@ from pathlib import Path
 
 from grpo_accel.errors import UserError
 from grpo_accel.config.checks import ConfigError
-from grpo_accel.config.loading import changed_settings, resume_conflicts
+from grpo_accel.config.resume import changed_settings, resume_conflicts
 from grpo_accel.config.secrets import record, redact, redact_text
 from grpo_accel.runtime.build_locks import command_line
 

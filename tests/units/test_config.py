@@ -129,7 +129,7 @@ def test_missing_and_broken_files(tmp_path):
 
 
 def test_renamed_keys_name_their_new_name_and_old_checkpoints_still_match():
-    from grpo_accel.config.loading import resume_conflicts
+    from grpo_accel.config.resume import resume_conflicts
 
     for old, new in [("rollout.prompts_per_step", "rollout.prompts_per_batch"),
                      ("weight_sync.verify_names", "weight_sync.verify_tensors"),
@@ -147,7 +147,7 @@ def test_renamed_keys_name_their_new_name_and_old_checkpoints_still_match():
 def test_a_named_models_checkpoint_resumes_whether_or_not_it_recorded_the_built_in_sizes():
     """Checkpoints saved before the built-in model's sizes were left out of a named model's record still hold
     them (64, 2, ...); the sizes do nothing to that model, so neither record nor resume compares them."""
-    from grpo_accel.config.loading import changed_settings, resume_conflicts
+    from grpo_accel.config.resume import changed_settings, resume_conflicts
     from grpo_accel.config.secrets import record
 
     cfg = load_config(None, ["model.name_or_path=some/model"])

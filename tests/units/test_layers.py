@@ -78,9 +78,9 @@ def test_no_arrow_up_from_the_contracts():
     assert {d for d in graph["grpo_accel.contracts"] if d.count(".") > 1} == set()
 
 
-FRONT_DOOR = ("config", "recipe", "run", "cli")
+FRONT_DOOR = ("config", "recipe", "run", "cli", "trl")
 """The rooms that speak in config keys (House 5: recipe/ re-zoned into the language, the assembly, the run's
-outputs); every other room is a component."""
+outputs; trl/: TRL's Python API over the command); every other room is a component."""
 
 
 def test_components_never_import_the_front_door_nor_raise_its_errors():

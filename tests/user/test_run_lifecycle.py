@@ -186,3 +186,22 @@ def test_a_resumed_run_trains_at_the_rate_it_was_given(tmp_path, caplog):
                              "optim.lr=1e-3"]) == 0
     expected = [1e-3 * (1 + math.cos(math.pi * step / 4)) / 2 for step in (2, 3)]  # steps 2, 3 of the 4-step curve
     assert lrs(cosine)[2:] == pytest.approx(expected)
+
+
+def test_a_lock_the_folder_no_longer_lets_go_of_is_one_line(tmp_path, caplog):
+    """The folder turns read-only during the run (the checkpoint's own error is what the user must read): releasing
+    the lock says so in a line instead of raising over that error; the next run takes the dead run's lock over."""
+    from grpo_accel.run.folder import LOCK_FILE, RunFolderLock
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
+    try:
+        lock = RunFolderLock(disk / "run")
+        lock.acquire()
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        lock.release()
+        assert f"its lock {disk / 'run' / LOCK_FILE} could not be removed (Read-only file system)" in caplog.text
+        assert not lock.held and (disk / "run" / LOCK_FILE).exists()
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)

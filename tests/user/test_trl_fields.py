@@ -198,7 +198,7 @@ def test_command_line_values_that_are_not_yaml_are_the_text_they_are():
 
 
 def test_a_saved_config_without_a_newer_setting_resumes_as_its_default():
-    from grpo_accel.config.loading import resume_conflicts
+    from grpo_accel.config.resume import resume_conflicts
 
     current = to_dict(load_config(None, []))
     saved = to_dict(load_config(None, []))
