@@ -76,3 +76,13 @@ def test_servers_that_do_not_hold_the_push_end_in_one_error_after_every_attempt(
         pusher.push(1)
     assert [c for c in calls if c[0] == "compare"] == [("compare", 1, 1, 32, (31,))] * 2 and pusher.pushed == 0
     assert calls.count("asked how to check") == 1, "asked once"
+
+
+def test_a_push_that_failed_on_another_rank_says_so(accelerator, tiny_model, monkeypatch):
+    """Issue 74 item 8: under ZeRO-3 the rank whose own part went well ended with "... after 2 attempts: None"."""
+    calls = []
+    pusher = WeightPusher(accelerator, tiny_model, Servers(calls), Wire(calls), bucket_mb=1, dtype=torch.float32,
+                          max_attempts=2, verify_tensors=1)
+    monkeypatch.setattr(pusher, "_all_agree", lambda ok: False)  # what any_process answers when another rank failed
+    with pytest.raises(WeightSyncError, match=r"after 2 attempts: it failed on another rank, whose line says why; "):
+        pusher.push(1)
