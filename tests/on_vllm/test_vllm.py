@@ -174,18 +174,24 @@ def test_a_request_that_times_out_is_aborted_on_the_server_before_it_is_sent_aga
         engine.generate(prompts, 4, seeds=list(range(24)))
     assert "aborted there and sent again, retry 1/1" in caplog.text
     assert server.log.read_text().count("POST /abort_requests") > posted
-    # the id it aborts by is the one vLLM gives the request's prompt: a request still running ends there
-    wait_idle(server)  # else the requests aborted above could pass for the one below
-    answer = {}
+    # the id it aborts by is the one vLLM gives the request's prompt: a request still running ends there. Streamed,
+    # so that its first token proves it runs (its 124 tokens took vLLM less time than one /metrics answer in a CI
+    # run, which then aborted a request already done)
+    import urllib.request
+
     body = {"prompt": [1, 5, 6], "max_tokens": 124, "ignore_eos": True, "request_id": "long-running",
-            "return_token_ids": True}
-    worker = threading.Thread(target=lambda: answer.update(server.post("/v1/completions", body)))
-    worker.start()
-    while not running(server) and worker.is_alive():
-        time.sleep(0.01)
-    engine._abort(engine.clients[0], "long-running")
-    worker.join()
-    assert answer["choices"][0]["finish_reason"] == "abort" and len(answer["choices"][0]["token_ids"]) < 124
+            "stream": True}
+    request = urllib.request.Request(server.url + "/v1/completions", json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    chunks = []
+    with urllib.request.urlopen(request, timeout=60) as stream:
+        for line in stream:
+            if line.startswith(b"data: {"):
+                chunks.append(json.loads(line[len(b"data: "):])["choices"])
+                if len(chunks) == 1:
+                    engine._abort(engine.clients[0], "long-running")
+    ended = [c[0]["finish_reason"] for c in chunks if c and c[0].get("finish_reason")]
+    assert ended == ["abort"] and len(chunks) < 124, (ended, len(chunks))
 
 
 def test_an_unreachable_server_is_named(tokenizer):
