@@ -19,6 +19,10 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # The caller's thread setting would reach every run the tests launch and change what they check (threads per
 # process = cores / processes): tests that want one set it themselves.
 os.environ.pop("GRPO_ACCEL_THREADS", None)
+# The processes the tests start import DeepSpeed without MLflow (tests/helpers/without_mlflow); those that report
+# to it take the folder off again (tests/helpers/tracker_stores.py)
+WITHOUT_MLFLOW = str(ROOT / "tests" / "helpers" / "without_mlflow")
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (WITHOUT_MLFLOW, os.environ.get("PYTHONPATH")) if p)
 
 
 @pytest.fixture(scope="session")

@@ -1,12 +1,15 @@
 """The trackers' local stores, for tests: the environment that keeps W&B offline, MLflow in a SQLite file and
 Trackio in a folder, and W&B's run file read back record by record."""
+import os
 import struct
 from pathlib import Path
 
 
 def tracker_env(root: Path) -> dict:
+    """The stores' environment, with MLflow importable again (tests/helpers/without_mlflow hides it otherwise)."""
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).name != "without_mlflow"]
     return {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "MLFLOW_TRACKING_URI": f"sqlite:///{root}/mlflow.db",
-            "TRACKIO_DIR": str(root / "trackio"), "HF_HUB_OFFLINE": "1"}
+            "TRACKIO_DIR": str(root / "trackio"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(path)}
 
 
 def wandb_records(path: Path):
