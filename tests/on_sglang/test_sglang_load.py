@@ -187,7 +187,7 @@ def test_episodes_that_fill_the_context_end_length_on_both_engines(servers, tmp_
     data.write_text("".join(json.dumps(r) + "\n" for r in rows * 2))
     assert train_in_process([f"output_dir={out}", f"model.name_or_path={folder}", f"data.path={data}",
                              "rollout.backend=sglang", f"rollout.urls=[{url}]", "weight_sync.backend=gloo",
-                             f"weight_sync.master_port={free_port()}", "weight_sync.dtype=float32",
+                             "weight_sync.dtype=float32",
                              "rollout.environment=tests.helpers.episode_env:Countdown", "rollout.max_turns=3",
                              "rollout.max_new_tokens=6", "rollout.prompts_per_batch=3", "rollout.group_size=2",
                              "trainer.total_frames=18", "trainer.progress_bar=false", "rewards=[{name: env_reward}]",

@@ -18,9 +18,9 @@ from trainer_utils import train_in_process
 def sglang_args(out, url, model_dir, *extra) -> list[str]:
     """launch/train.py's arguments for a small run that samples from the stand-in at ``url`` and syncs to it."""
     return [f"output_dir={out}", f"model.name_or_path={model_dir}", "rollout.backend=sglang", f"rollout.urls=[{url}]",
-            "weight_sync.backend=gloo", f"weight_sync.master_port={free_port()}", "weight_sync.dtype=float32",
-            "weight_sync.bucket_mb=0.05", "trainer.total_frames=384", "trainer.micro_batch_completions=64",
-            "trainer.progress_bar=false", "checkpoint.interval_frames=null", *TINY_FOLDER, *extra]
+            "weight_sync.backend=gloo", "weight_sync.dtype=float32", "weight_sync.bucket_mb=0.05",
+            "trainer.total_frames=384", "trainer.micro_batch_completions=64", "trainer.progress_bar=false",
+            "checkpoint.interval_frames=null", *TINY_FOLDER, *extra]  # weight_sync.master_port: null, a free one
 
 
 def final_policy(out):
