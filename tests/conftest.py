@@ -21,7 +21,8 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 os.environ.pop("GRPO_ACCEL_THREADS", None)
 # The processes the tests start import DeepSpeed without MLflow (tests/helpers/without_mlflow); those that report
 # to it take the folder off again (tests/helpers/tracker_stores.py)
-WITHOUT_MLFLOW = str(ROOT / "tests" / "helpers" / "without_mlflow")
+from tracker_stores import WITHOUT_MLFLOW  # noqa: E402
+
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (WITHOUT_MLFLOW, os.environ.get("PYTHONPATH")) if p)
 
 

@@ -5,9 +5,13 @@ import struct
 from pathlib import Path
 
 
+WITHOUT_MLFLOW = str(Path(__file__).parent / "without_mlflow")
+"""On the PYTHONPATH of every process the tests start (tests/conftest.py): MLflow hidden there."""
+
+
 def tracker_env(root: Path) -> dict:
-    """The stores' environment, with MLflow importable again (tests/helpers/without_mlflow hides it otherwise)."""
-    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).name != "without_mlflow"]
+    """The stores' environment, with MLflow importable again (WITHOUT_MLFLOW off the PYTHONPATH)."""
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != WITHOUT_MLFLOW]
     return {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "MLFLOW_TRACKING_URI": f"sqlite:///{root}/mlflow.db",
             "TRACKIO_DIR": str(root / "trackio"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(path)}
 
