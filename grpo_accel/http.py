@@ -4,6 +4,7 @@ A small JSON-over-HTTP client for inference servers and reward services: bearer 
 clear errors."""
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import time
@@ -67,9 +68,13 @@ class HTTPClient:
                                       f"within {timeout_s:g} s ({attempts} attempt{'s' * (attempts > 1)})") from exc
                 logger.warning("%s %s%s: no answer within %g s; retry %d/%d", method, self.url, path, timeout_s,
                                attempt + 1, attempts - 1)
-            except (urllib.error.URLError, ConnectionError) as exc:
+            except (urllib.error.URLError, ConnectionError, http.client.HTTPException) as exc:
+                # refused or reset; or (HTTPException: IncompleteRead) a server that died while it answered
+                failed = ("the server closed the connection before its answer was whole"
+                          if isinstance(exc, http.client.HTTPException) and not isinstance(exc, ConnectionError)
+                          else "cannot reach the server")
                 if attempt == attempts - 1:
-                    raise ServerError(f"{method} {self.url}{path}: cannot reach the server ({exc})") from exc
+                    raise ServerError(f"{method} {self.url}{path}: {failed} ({exc})") from exc
                 logger.warning("%s %s%s failed (%s); retry %d/%d", method, self.url, path, exc, attempt + 1, attempts - 1)
             time.sleep(self.backoff_s * 2**attempt)
         raise AssertionError("unreachable")
