@@ -14,7 +14,7 @@ from pathlib import Path
 from launching import ROOT, free_port
 
 API_KEY = "vllm-test-key"
-START_S = 300.0  # a start took 35-85 s on this machine's two cores, more while a launch runs beside it
+START_S = 300.0  # a start took 30-85 s on this machine's two cores, more while a launch runs beside it
 
 
 def vllm_python() -> Path:
@@ -48,7 +48,10 @@ class VLLMServer:
                "VLLM_LOGGING_LEVEL": "WARNING"}
         command = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
                    "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", "128", "--dtype", "float32",
-                   "--logprobs-mode", "processed_logprobs", "--api-key", API_KEY, *self.flags]
+                   "--logprobs-mode", "processed_logprobs", "--api-key", API_KEY,
+                   # no torch.compile of the model: it took 30 of a cold start's 63 s here; the routes, the scheduler
+                   # and the weight loading the tests check are the same
+                   "--enforce-eager", *self.flags]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
@@ -72,10 +75,19 @@ class VLLMServer:
         self.proc = None
 
     def post(self, path: str, body: dict, key: str | None = API_KEY) -> dict:
-        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-        request = urllib.request.Request(self.url + path, json.dumps(body).encode(), headers, method="POST")
-        with urllib.request.urlopen(request, timeout=60) as answer:
+        with urllib.request.urlopen(self._posting(path, body, key), timeout=60) as answer:
             return json.loads(answer.read())
+
+    def stream(self, path: str, body: dict):
+        """POST ``body`` with ``stream`` on: each server-sent event's JSON, as it arrives."""
+        with urllib.request.urlopen(self._posting(path, {**body, "stream": True}), timeout=60) as answer:
+            for line in answer:
+                if line.startswith(b"data: {"):
+                    yield json.loads(line[len(b"data: "):])
+
+    def _posting(self, path: str, body: dict, key: str | None = API_KEY) -> urllib.request.Request:
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        return urllib.request.Request(self.url + path, json.dumps(body).encode(), headers, method="POST")
 
     def get(self, path: str) -> dict:
         request = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {API_KEY}"})
