@@ -269,7 +269,7 @@ def test_a_server_killed_mid_run_stops_it_with_a_checkpoint_and_the_resume_resto
     from launching import ACCELERATE, ROOT, free_port
 
     out = tmp_path / "run"
-    args = run_args(out, server, model_folder, "trainer.total_frames=2048", "checkpoint.interval_frames=128",
+    args = run_args(out, server, model_folder, "trainer.total_frames=1024", "checkpoint.interval_frames=128",
                     "rollout.request_retries=1", "rollout.health_timeout_s=5")
     config = ROOT / "accelerate_configs" / "single_process.yaml"
     proc = subprocess.Popen([*ACCELERATE, "-q", "--config_file", str(config), "--main_process_port", str(free_port()),
@@ -293,10 +293,10 @@ def test_a_server_killed_mid_run_stops_it_with_a_checkpoint_and_the_resume_resto
 
     initial = AutoModelForCausalLM.from_pretrained(model_folder)
     assert_server_holds(server, initial)  # a restarted server holds the model it was started with
-    resumed = launch("single_process.yaml", run_args(out, server, model_folder, "trainer.total_frames=2048",
+    resumed = launch("single_process.yaml", run_args(out, server, model_folder, "trainer.total_frames=1024",
                                                      "checkpoint.interval_frames=128", "checkpoint.resume=auto"))
     assert "resumed from" in resumed.stderr
     final = final_model(out)
-    assert json.loads((out / "summary.json").read_text())["weight_version"] == 16
-    assert server.get("/weight_info") == {"weight_version": "16"}
+    assert json.loads((out / "summary.json").read_text())["weight_version"] == 8
+    assert server.get("/weight_info") == {"weight_version": "8"}
     assert_server_holds(server, final, initial)
