@@ -45,7 +45,8 @@ class VLLMServer:
 
     def start(self) -> VLLMServer:
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
-               "VLLM_LOGGING_LEVEL": "WARNING"}
+               "VLLM_LOGGING_LEVEL": "WARNING",
+               "VLLM_RPC_BASE_PATH": str(self.log.parent)}  # its ZMQ sockets: a killed server leaves them behind
         command = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
                    "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", "128", "--dtype", "float32",
                    "--logprobs-mode", "processed_logprobs", "--api-key", API_KEY,
