@@ -16,6 +16,7 @@ from launching import free_port
 from sglang_standin.source import VERSIONS
 from sglang_standin.processes import NEWEST, control, fail_next, server_state
 from trainer_utils import reset_accelerate_state
+from weight_senders import distributed_sender
 
 
 @pytest.fixture
@@ -126,13 +127,6 @@ def assert_server_holds(url, model):
     assert state.keys() == params.keys()
     for name, value in state.items():
         assert torch.equal(torch.tensor(value), params[name].detach()), name
-
-
-def distributed_sender(accelerator, model, url, **kw):
-    from grpo_accel.sglang.from_distributed import DistributedWeightSender
-
-    kw = {"master_port": free_port(), "dtype": torch.float32, "bucket_mb": 0.05, "timeout_s": 60, **kw}
-    return DistributedWeightSender(accelerator, model, [url] if isinstance(url, str) else url, **kw)
 
 
 @pytest.mark.parametrize("version", VERSIONS)

@@ -18,17 +18,11 @@ from grpo_accel.http import HTTPClient, ServerError
 from grpo_accel.layout import BatchLayout
 from grpo_accel.logprobs import sequence_logprobs
 from grpo_accel.sglang.engine import SGLangEngine
-from launching import free_port, launch
+from launching import launch
 from sglang_standin.source import VERSIONS
 from sglang_standin.processes import NEWEST, control, fail_next, server_state
 from trainer_utils import train_in_process
-
-
-def distributed_sender(accelerator, model, urls, **kw):
-    from grpo_accel.sglang.from_distributed import DistributedWeightSender
-
-    kw = {"master_port": free_port(), "dtype": torch.float32, "bucket_mb": 0.05, "timeout_s": 60, **kw}
-    return DistributedWeightSender(accelerator, model, urls, **kw)
+from weight_senders import distributed_sender
 
 
 def generated(url: str) -> int:

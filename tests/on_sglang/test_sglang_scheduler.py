@@ -12,11 +12,11 @@ import torch
 
 from grpo_accel.http import HTTPClient, ServerError
 from grpo_accel.sglang.engine import SGLangEngine
-from launching import free_port
 from sglang_standin.source import VERSIONS
 from sglang_standin.processes import NEWEST, control, fail_next, server_state
 from test_sglang_runs import assert_server_holds_checkpoint, sglang_args
 from trainer_utils import train_in_process
+from weight_senders import distributed_sender
 
 
 def counts(url: str) -> dict:
@@ -120,13 +120,6 @@ def test_abort_mode_finishes_with_a_pool_smaller_than_a_batch_and_a_push_at_ever
 
 
 # ------------------------------------------------------------------------------------------------- dp ranks
-
-
-def distributed_sender(accelerator, model, urls, **kw):
-    from grpo_accel.sglang.from_distributed import DistributedWeightSender
-
-    kw = {"master_port": free_port(), "dtype": torch.float32, "bucket_mb": 0.05, "timeout_s": 60, **kw}
-    return DistributedWeightSender(accelerator, model, urls, **kw)
 
 
 def digests(model) -> dict:
