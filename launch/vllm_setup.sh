@@ -5,7 +5,8 @@
 # builds come with it and break its import; with a GPU, pip's vllm. Re-running is cheap: once it has succeeded it
 # does nothing until this script changes. The tests (tests/on_vllm) and .ci/run call it; start a server with
 #   VLLM_SERVER_DEV_MODE=1 .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model DIR \
-#     --logprobs-mode processed_logprobs --port 8000
+#     --logprobs-mode processed_logprobs --port 8000 --no-enable-chunked-prefill
+# (the last for the CPU build only: it stops when it prefills a seeded request in parts; docs/pages/vllm.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}

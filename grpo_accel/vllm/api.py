@@ -19,10 +19,13 @@ classes). Read from vLLM 0.32.0's source (``vllm/entrypoints``):
   (openai/completion/serving.py), the id ``/abort_requests`` takes. With ``n`` > 1 and a ``seed`` s, sample j
   draws with seed s + j (v1/engine/parallel_sampling.py).
 - ``GET /v1/models`` gives ``max_model_len``; a prompt + ``max_tokens`` beyond it is a 400.
-- The CPU build only: a seeded request whose prompt is prefilled in parts (more new prompt tokens in one step than
-  ``--max-num-batched-tokens``, chunked prefill being on) stops the engine: ``_bookkeeping_sync`` moves the seeded
-  generator back (``set_offset``), which a CPU generator refuses ("CPU Generator does not use offset",
-  v1/worker/gpu_model_runner.py).
+- The CPU build only: a seeded request prefilled in parts (chunked prefill on, and more tokens to prefill in one
+  step than ``--max-num-batched-tokens``) stops the engine: ``_bookkeeping_sync`` moves the seeded generator back
+  (``set_offset``), which a CPU generator refuses ("CPU Generator does not use offset",
+  v1/worker/gpu_model_runner.py). Prompts are prefilled, and so is every running request again after a ``/pause``:
+  it clears the KV cache by default (``clear_cache``, rl/online/api_router.py; ``_reset_caches`` preempts the
+  running requests, v1/engine/core.py), so a step after a push can prefill ``--max-num-seqs`` x
+  ``--max-model-len`` tokens at most.
 
 Nothing here imports ``vllm``.
 """
@@ -65,7 +68,8 @@ class ServerInfo:
     tp_size: int = 1
     dp_size: int = 1
     device: str = ""
-    chunk_tokens: int | None = None  # prompt tokens prefilled per step when chunked prefill is on
+    chunk_tokens: int | None = None  # tokens prefilled per step when chunked prefill is on
+    max_num_seqs: int = 0  # requests running at once
 
     @classmethod
     def from_json(cls, url: str, version: dict, info: dict) -> ServerInfo:
@@ -77,7 +81,7 @@ class ServerInfo:
                    str(model.get("logprobs_mode") or "raw_logprobs"), str(model.get("dtype") or ""),
                    bool(model.get("enable_sleep_mode", False)), int(parallel.get("tensor_parallel_size") or 1),
                    int(parallel.get("data_parallel_size") or 1), str((config.get("device_config") or {}).get("device")),
-                   int(chunked) if chunked else None)
+                   int(chunked) if chunked else None, int(scheduler.get("max_num_seqs") or 0))
 
     def check_supported(self) -> None:
         """Refuse a release older than the checked one; warn once about a newer one."""
@@ -109,15 +113,18 @@ class ServerInfo:
             raise ServerError(f"{self.url} runs --logprobs-mode {self.logprobs_mode}, which returns logits; restart "
                               "it with --logprobs-mode processed_logprobs.")
 
-
-def warn_cpu_chunks(info: ServerInfo) -> None:
-    """One line for a CPU build that prefills in chunks: seeded requests stop its engine when it does."""
-    if info.device == "cpu" and info.chunk_tokens:
-        logger.warning("%s is vLLM's CPU build with chunked prefill: its engine stops (\"CPU Generator does not use "
-                       "offset\") when the prompts it takes in one step exceed --max-num-batched-tokens (%d), as "
-                       "seeded requests are prefilled in parts. Start it with --max-num-batched-tokens above a "
-                       "batch's prompt tokens (rollout.prompts_per_batch x rollout.group_size x the longest prompt).",
-                       info.url, info.chunk_tokens)
+    def check_prefill(self) -> None:
+        """Refuse a CPU build that can prefill a seeded request in parts: its engine stops the first time it does,
+        mid-run (the module's notes say when)."""
+        most = self.max_num_seqs * self.max_model_len
+        if self.device == "cpu" and self.chunk_tokens and self.chunk_tokens < most:
+            raise ServerError(f"{self.url} is vLLM's CPU build with chunked prefill at --max-num-batched-tokens "
+                              f"{self.chunk_tokens}: a step with more tokens to prefill splits a seeded request, and "
+                              "the CPU build's engine then stops (\"CPU Generator does not use offset\"). Prompts are "
+                              "prefilled, and so is every running request again after a weight push (vLLM's /pause "
+                              "clears the KV cache). Restart it with --no-enable-chunked-prefill, or with "
+                              f"--max-num-batched-tokens {most} (--max-num-seqs {self.max_num_seqs} x --max-model-len "
+                              f"{self.max_model_len}), which no step can exceed.")
 
 
 def read_server_info(client, timeout_s: float | None = None) -> ServerInfo:

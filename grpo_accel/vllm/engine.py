@@ -72,7 +72,7 @@ class VLLMEngine(ServerEngine):
         for info in self.servers:
             info.check_supported()
             info.check_logprobs(temperature, top_p, top_k)
-            api.warn_cpu_chunks(info)
+            info.check_prefill()
         self.clients[0].get("/v1/models", timeout_s=health_timeout_s)  # the key, checked once (vLLM guards /v1 only)
         # a prompt + max_tokens may fill the context; one less keeps every prefix of a sequence sendable again
         self.context_limit = min(i.max_model_len for i in self.servers) - 1

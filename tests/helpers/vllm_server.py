@@ -52,7 +52,9 @@ class VLLMServer:
                    "--logprobs-mode", "processed_logprobs", "--api-key", API_KEY,
                    # no torch.compile of the model: it took 30 of a cold start's 63 s here; the routes, the scheduler
                    # and the weight loading the tests check are the same
-                   "--enforce-eager", *self.flags]
+                   "--enforce-eager",
+                   # the CPU build stops when it prefills a seeded request in parts (ServerInfo.check_prefill)
+                   "--no-enable-chunked-prefill", *self.flags]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)

@@ -5,6 +5,7 @@ start-up errors in one line, a ZeRO-3 run of two processes with async collection
 one-process run whose server is killed mid-run and started again before the resume. After every push the
 server's own logprobs are compared with the trained weights: the weights themselves, not only the version it
 reports. Tests that move the server's weights put the model it started with back (``restore``)."""
+import dataclasses
 import json
 import os
 import signal
@@ -72,19 +73,19 @@ def restore(server, model_folder):
     server.post("/update_weight_version", {"new_version": "0"})
 
 
-def running(server, gauge: str = "vllm:num_requests_running") -> float:
-    """The requests the server runs now (a /metrics gauge; summed over its engines)."""
+def metric(server, name: str = "vllm:num_requests_running") -> float:
+    """One of the server's /metrics (by default the requests it runs now), summed over its engines."""
     import urllib.request
 
     with urllib.request.urlopen(server.url + "/metrics", timeout=30) as answer:
         lines = answer.read().decode().splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(gauge))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name))
 
 
 def wait_idle(server) -> None:
     """Until the server neither runs nor queues a request (requests aborted a moment ago may still be draining)."""
     deadline = time.monotonic() + 60
-    while running(server) or running(server, "vllm:num_requests_waiting"):
+    while metric(server) or metric(server, "vllm:num_requests_waiting"):
         assert time.monotonic() < deadline, "the server still runs requests 60 s after they were aborted"
         time.sleep(0.01)
 
@@ -93,12 +94,18 @@ def wait_idle(server) -> None:
 
 
 def test_rollouts_carry_logprobs_equal_to_the_trainer_forward_and_follow_the_seeds(server, model_folder, tokenizer,
-                                                                                   capsys, caplog):
+                                                                                   capsys):
     from transformers import AutoModelForCausalLM
 
     engine = VLLMEngine([server.url], tokenizer, max_new_tokens=6, temperature=0.7, api_key=API_KEY)
     assert engine.context_limit == 127 and "vLLM 0.32.0" in engine.description
-    assert "CPU build with chunked prefill" in caplog.text and "--max-num-batched-tokens (2048)" in caplog.text
+    info = engine.servers[0]  # started with --no-enable-chunked-prefill; the CPU build's defaults are refused:
+    assert (info.device, info.chunk_tokens, info.max_num_seqs) == ("cpu", None, 128)
+    with pytest.raises(ServerError, match=r"chunked prefill at --max-num-batched-tokens 2048: .* Restart it with "
+                       r"--no-enable-chunked-prefill, or with --max-num-batched-tokens 16384 \(--max-num-seqs 128 x "
+                       r"--max-model-len 128\), which no step can exceed\.$"):
+        dataclasses.replace(info, chunk_tokens=2048).check_prefill()
+    dataclasses.replace(info, chunk_tokens=16384).check_prefill()
     prompts = [tokenizer(p)["input_ids"] for p in ["1+2=", "3+3=", "12+4="]]
     td = engine.generate(prompts, group_size=4, seeds=[1, 2, 3])
     assert td.shape == (12,) and (td[batch.WEIGHT_VERSION] == 0).all()
@@ -136,9 +143,12 @@ def test_a_push_in_the_middle_of_generation_makes_partial_rollouts(server, model
                                 api_key=API_KEY, pause_mode=mode, keep=1)
         rollout = {}
         wait_idle(server)
+        tokens = metric(server, "vllm:generation_tokens_total")
         worker = threading.Thread(target=lambda: rollout.update(td=engine.generate(prompts, 8, seeds=list(range(64)))))
         worker.start()
-        while not running(server) and worker.is_alive():  # the push lands once the server generates
+        # the push lands once the 128 running requests hold 20 tokens each on average: more than the CPU build's
+        # default --max-num-batched-tokens (2048) to prefill again after /pause clears their KV cache
+        while metric(server, "vllm:generation_tokens_total") < tokens + 2560 and worker.is_alive():
             time.sleep(0.005)
         with torch.no_grad():
             for p in model.parameters():
