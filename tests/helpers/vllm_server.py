@@ -71,11 +71,24 @@ class VLLMServer:
         raise RuntimeError(f"vLLM did not answer /health within {START_S:.0f} s:\n{self.log.read_text()[-4000:]}")
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        """The server and its engine processes."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
+        """The server and its engine processes (those left by a server that died too)."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
             self.proc.wait(timeout=60)
         self.proc = None
+
+    def revive(self) -> VLLMServer:
+        """Started again if it died or does not answer ``/health`` (a test that stopped its engine fails alone,
+        not every test after it on a dead server); as it was otherwise."""
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5):
+                return self
+        except OSError:
+            self.kill()
+            return self.start()
 
     def post(self, path: str, body: dict, key: str | None = API_KEY) -> dict:
         with urllib.request.urlopen(self._posting(path, body, key), timeout=60) as answer:

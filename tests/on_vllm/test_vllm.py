@@ -32,10 +32,16 @@ def model_folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(model_folder, tmp_path_factory):
+def started(model_folder, tmp_path_factory):
     server = VLLMServer(vllm_python(), model_folder, tmp_path_factory.mktemp("vllm_log") / "server.log").start()
     yield server
     server.kill(signal.SIGTERM)
+
+
+@pytest.fixture
+def server(started):
+    """The module's server, started again if an earlier test left it dead."""
+    return started.revive()
 
 
 def run_args(out, server, model_folder, *extra) -> list[str]:
