@@ -196,19 +196,32 @@ def test_a_request_that_times_out_is_aborted_on_the_server_before_it_is_sent_aga
         server.post("/resume", {})
     assert "aborted there and sent again, retry 1/1" in caplog.text
     assert server.log.read_text().count("POST /abort_requests") > posted
-    # the id it aborts by is the one vLLM gives the request's prompt: a request still running ends there. Streamed,
-    # so that its first token proves it runs (its 124 tokens took vLLM less time than one /metrics answer in a CI
-    # run, which then aborted a request already done); alone, once the resumed requests are done (behind about 48 of
-    # them it ran to its length twice in module runs)
+    # the id it aborts by is the one vLLM gives the request's prompt: the request ends there. Sent while the server
+    # is paused, so it waits in the scheduler until the abort (running, its 124 tokens outran the abort in CI runs);
+    # with a wrong id it would run to its length after /resume. Aborted while waiting, its stream ends without a
+    # chunk (a running one's ends with finish reason "abort")
     wait_idle(server)
-    chunks = []
+    chunks, errors = [], []
     body = {"prompt": [1, 5, 6], "max_tokens": 124, "ignore_eos": True, "request_id": "long-running"}
-    for event in server.stream("/v1/completions", body):
-        chunks.append(event["choices"])
-        if len(chunks) == 1:
-            engine._abort(engine.clients[0], "long-running")
+
+    def read():
+        try:
+            chunks.extend(event["choices"] for event in server.stream("/v1/completions", body))
+        except Exception as exc:  # noqa: BLE001 - said by the assertion below
+            errors.append(exc)
+
+    reader = threading.Thread(target=read)
+    server.post("/pause?mode=keep", {})
+    try:
+        reader.start()
+        time.sleep(1)  # the request reaches the engine (milliseconds)
+        engine._abort(engine.clients[0], "long-running")
+    finally:
+        server.post("/resume", {})
+    reader.join(timeout=60)
     ended = [c[0]["finish_reason"] for c in chunks if c and c[0].get("finish_reason")]
-    assert ended == ["abort"] and len(chunks) < 124, (ended, len(chunks))
+    assert not reader.is_alive() and errors == [] and ended in ([], ["abort"]) and len(chunks) < 124, \
+        (errors, ended, len(chunks))
 
 
 def test_an_unreachable_server_is_named(tokenizer):
