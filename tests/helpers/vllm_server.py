@@ -62,11 +62,9 @@ class VLLMServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.log.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5):
-                    return self
-            except OSError:
-                time.sleep(1)
+            if self.healthy():
+                return self
+            time.sleep(1)
         self.kill()
         raise RuntimeError(f"vLLM did not answer /health within {START_S:.0f} s:\n{self.log.read_text()[-4000:]}")
 
@@ -80,15 +78,21 @@ class VLLMServer:
             self.proc.wait(timeout=60)
         self.proc = None
 
+    def healthy(self) -> bool:
+        """``/health`` answers 200 (503 once its engine stopped; refused once it died)."""
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5):
+                return True
+        except OSError:
+            return False
+
     def revive(self) -> VLLMServer:
         """Started again if it died or does not answer ``/health`` (a test that stopped its engine fails alone,
         not every test after it on a dead server); as it was otherwise."""
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=5):
-                return self
-        except OSError:
-            self.kill()
-            return self.start()
+        if self.healthy():
+            return self
+        self.kill()
+        return self.start()
 
     def post(self, path: str, body: dict, key: str | None = API_KEY) -> dict:
         with urllib.request.urlopen(self._posting(path, body, key), timeout=60) as answer:

@@ -20,8 +20,9 @@ ELSEWHERE = {  # how a command starts -> why it does not run in this suite, and 
     "MODEL=": "needs GPUs for SGLang servers; tests/on_sglang/test_sglang_runs.py runs launch/sglang.sh with DRY_RUN",
     ".venv/bin/accelerate launch --config_file accelerate_configs/zero3.yaml launch/train.py model.name_or_path=M":
         "needs SGLang servers on other machines; tests/on_sglang/test_sglang_runs.py runs the same path against stand-ins",
-    "VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=2 .venv-vllm/bin/python -m vllm": "the vLLM measurement's server (SmolLM2, minutes to start "
-        "and run); tests/on_vllm/ starts the same server command on the tests' tiny model",
+    "VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=2 .venv-vllm/bin/python -m vllm":
+        "the vLLM measurement's server (SmolLM2, minutes to start and run); tests/on_vllm/ starts the same server "
+        "command on the tests' tiny model",
     "VLLM_SERVER_DEV_MODE=1 vllm serve": "a vLLM server for a GPU; tests/on_vllm/ starts the same server (its CPU "
         "build, tests/helpers/vllm_server.py) and trains against it",
     ".venv/bin/accelerate launch --config_file accelerate_configs/zero3.yaml launch/train.py model.name_or_path=MODEL":
